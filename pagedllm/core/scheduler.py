@@ -1,0 +1,252 @@
+"""Continuous batching: each step decides how many tokens every request runs.
+
+Policy (vLLM V1's): running requests first (decodes and unfinished prefill chunks), then
+waiting requests in arrival order, all under one token budget (`max_num_batched_tokens`)
+and a cap on running sequences (`max_num_seqs`). A prompt that does not fit the remaining
+budget is chunked. When the page pool runs dry the newest running request is preempted:
+its blocks are freed and it is recomputed later (prefix caching makes that cheap).
+
+The output is plain data so it can be sent to worker processes unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+
+
+@dataclass
+class NewRequestData:
+    """Sent once per request so workers can keep its sampling state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: Any
+
+
+@dataclass
+class ScheduledChunk:
+    request_id: str
+    start: int  # position of the first token to compute (= tokens already in the cache)
+    num_tokens: int
+    block_table: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class FinishedInfo:
+    request: Request
+    new_token: int | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._sent_to_worker: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ------------------------------------------------------------------ admission
+    def max_request_tokens(self) -> int:
+        return min(self.max_model_len, self.kv.num_blocks * self.kv.block_size)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raise ValueError for one that can never fit."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if req.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {req.num_prompt_tokens} tokens; this model's maximum context "
+                f"length is {self.max_model_len} including at least one generated token"
+            )
+        pool_tokens = self.kv.num_blocks * self.kv.block_size
+        need = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        if need > pool_tokens:
+            raise ValueError(
+                f"the request needs {need} tokens of KV cache (prompt {req.num_prompt_tokens} + "
+                f"max_tokens {req.max_tokens}) but the whole pool holds {pool_tokens}"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preemptions += 1
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+
+        if out.num_preemptions == 0:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit_tokens, budget)
+                if not self.kv.allocate_slots(req, n, hits):
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = num_hit_tokens
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit_tokens
+                    req.first_scheduled_time = time.monotonic()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+
+        for req, n in scheduled:
+            if req.request_id not in self._sent_to_worker:
+                self._sent_to_worker.add(req.request_id)
+                out.new_requests.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.sampling_params,
+                    )
+                )
+            out.chunks.append(
+                ScheduledChunk(
+                    req.request_id,
+                    req.num_computed_tokens,
+                    n,
+                    list(self.kv.block_table(req.request_id)),
+                    req.num_computed_tokens + n == req.num_tokens,
+                )
+            )
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    # ------------------------------------------------------------------ results
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, int | None]]:
+        """Advance requests by what the step computed; append sampled tokens and apply
+        token-level stop rules. Returns (request, new token or None) for each request
+        that got a token or finished."""
+        results: list[tuple[Request, int | None]] = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(req)
+            token = sampled.get(chunk.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            results.append((req, token))
+        return results
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        n_out = req.num_output_tokens
+        if n_out >= req.min_tokens:
+            if not req.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in req.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_by_stop_string(self, request_id: str, stop: str) -> None:
+        """The output processor found a stop string: end the request now."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.stop_reason = stop
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        if req.request_id in self._sent_to_worker:
+            self._sent_to_worker.discard(req.request_id)
+            self._finished_ids.append(req.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request once its output has been delivered."""
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished:
+            del self.requests[request_id]

@@ -1,0 +1,1 @@
+"""The engine loop (sync core and its async front)."""

@@ -1,0 +1,209 @@
+"""The engine core: one `step()` = schedule, execute, update, turn tokens into outputs.
+
+Synchronous and single-threaded on purpose: the offline `LLM` calls `step()` in a loop, and
+the async front end runs the same loop on its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.output_processor import OutputProcessor, child_id
+from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import load_tokenizer
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+
+
+def _eos_ids(hf_config, tokenizer, model_path: str) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (getattr(hf_config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    gen_cfg = os.path.join(model_path, "generation_config.json")
+    if os.path.isdir(model_path) and os.path.exists(gen_cfg):
+        import json
+
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = resolve_source(config.model, config.load_format)
+        self.hf_config = load_hf_config(source)
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source, config.tokenizer)
+        self.runner = ModelRunner(config, source, self.hf_config, self.max_model_len)
+        on_gpu = self.runner.device.type == "cuda"
+        self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        num_blocks = self.runner.determine_num_blocks(self.max_num_batched_tokens, config.max_num_seqs)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, source.path)
+        self._num_seqs: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ info
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    def describe(self) -> dict:
+        """What an operator needs to tune: printed at startup."""
+        bs = self.config.block_size
+        return {
+            "model": self.config.model,
+            "device": str(self.runner.device),
+            "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "weights_GiB": round(self.runner.weight_bytes / 2**30, 3),
+            "kv_blocks": self.kv.num_blocks,
+            "block_size": bs,
+            "kv_tokens": self.kv.num_blocks * bs,
+            "kv_GiB": round(self.kv.num_blocks * self.runner.bytes_per_block / 2**30, 3),
+            "max_model_len": self.max_model_len,
+            "max_len_seqs_that_fit": round(self.kv.num_blocks * bs / self.max_model_len, 2),
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "prefix_caching": self.config.enable_prefix_caching,
+        }
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), self.kv.usage, self.kv.num_blocks,
+                           self.kv.num_free_blocks, self.kv.prefix_queries, self.kv.prefix_hits,
+                           s.num_preemptions_total)
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs the tokenizer (skip_tokenizer_init=False)")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams) -> None:
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(prompt or "")
+        prompt_token_ids = list(prompt_token_ids)
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > 20:
+            raise ValueError(f"logprobs must be at most 20, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
+            raise ValueError(f"prompt_logprobs must be at most 20, got {params.prompt_logprobs}")
+        if request_id in self._num_seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_token_ids)
+        children = []
+        for i in range(params.n):
+            p = params.clone()
+            p.max_tokens = max_tokens
+            if params.seed is not None and i:
+                p.seed = params.seed + i
+            if i:
+                p.prompt_logprobs = None
+            p._all_stop_token_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            children.append(Request(
+                request_id=child_id(request_id, i, params.n), prompt_token_ids=prompt_token_ids,
+                max_tokens=max(1, max_tokens), eos_token_ids=self.eos_token_ids,
+                stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                min_tokens=p.min_tokens, sampling_params=p,
+            ))
+        added = []
+        try:
+            for req in children:
+                self.scheduler.add_request(req)
+                added.append(req)
+        except ValueError:
+            for req in added:
+                self.scheduler.abort(req.request_id)
+                self.scheduler.release(req.request_id)
+            raise
+        self._num_seqs[request_id] = params.n
+        self.output_processor.add(request_id, prompt, prompt_token_ids, [r.sampling_params for r in children])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        n = self._num_seqs.pop(request_id, None)
+        if n is None:
+            return None
+        for i in range(n):
+            cid = child_id(request_id, i, n)
+            self.scheduler.abort(cid)
+            self.scheduler.release(cid)
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            if so.finished_req_ids:  # let the worker drop state of aborted requests
+                self.runner.execute(so)
+            return []
+        out = self.runner.execute(so)
+        for sid, entries in out.prompt_logprobs.items():
+            self.output_processor.add_prompt_logprobs(sid, entries)
+        touched: dict[str, None] = {}
+        for req, token in self.scheduler.update(so, out.sampled):
+            sid = req.request_id
+            self.output_processor.set_cached_tokens(sid, req.num_cached_tokens)
+            finish = req.status.value if req.is_finished else None
+            hit = self.output_processor.add_token(sid, token, out.logprobs.get(sid), finish, req.stop_reason)
+            if hit is not None:
+                self.scheduler.finish_by_stop_string(sid, hit)
+            if req.is_finished:
+                self.scheduler.release(sid)
+            touched[self.output_processor.parent_id(sid)[0]] = None
+        outputs = []
+        for pid in touched:
+            if pid not in self._num_seqs:
+                continue
+            o = self.output_processor.output(pid)
+            if o.finished:
+                del self._num_seqs[pid]
+            outputs.append(o)
+        return outputs

@@ -1,0 +1,108 @@
+"""The offline Python API: `LLM(model=...).generate(prompts, params)`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching over a paged KV cache.
+
+    Accepts every `EngineConfig` setting as a keyword, including the aliases
+    `max_context_length`, `max_concurrent_requests` and `max_tokens_per_batch`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = str(next(self._counter))
+                text, token_ids = self._split_prompt(prompt)
+                self.engine.add_request(rid, text, token_ids, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs the tokenizer (skip_tokenizer_init=False)")
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                           add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _params_list(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
+        return sp
+
+    @staticmethod
+    def _split_prompt(prompt: PromptType) -> tuple[str | None, list[int] | None]:
+        if isinstance(prompt, str):
+            return prompt, None
+        if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+            return prompt.get("prompt"), prompt.get("prompt_token_ids")
+        raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [final[i] for i in ids]
+
+
+ModelEngine = LLM

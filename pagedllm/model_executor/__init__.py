@@ -1,0 +1,1 @@
+"""Models, their layers, and the loaders that fill them with checkpoint weights."""

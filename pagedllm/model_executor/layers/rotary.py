@@ -1,0 +1,64 @@
+"""Rotary position embeddings with the scalings Hugging Face configs describe.
+
+The frequency tables come from transformers' own rope initialisers (llama3, linear,
+dynamic, yarn, longrope), so every scaling a config can name is computed exactly as the
+reference does; the rotation itself is applied here on the flat token batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x
+    (`rope_parameters`) spellings into one dict with `rope_type` and `rope_theta`."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def inv_freq_and_scale(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] in ("default", None):
+        base = float(params["rope_theta"])
+        inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fn = ROPE_INIT_FUNCTIONS.get(params["rope_type"])
+    if fn is None:
+        raise ValueError(f"unsupported rope scaling type {params['rope_type']!r}")
+    inv, scale = fn(config, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotation (halves, not interleaved pairs) on the first `rotary_dim` dims."""
+
+    def __init__(self, config, head_dim: int, rotary_dim: int, max_positions: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv, scale = inv_freq_and_scale(config, rotary_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        rot, rest = (x, None) if rd == x.shape[-1] else (x[..., :rd], x[..., rd:])
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return out if rest is None else torch.cat((out, rest), dim=-1)

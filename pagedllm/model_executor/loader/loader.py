@@ -1,0 +1,110 @@
+"""Find what a `model` argument points at and build the model with its weights.
+
+Accepted: a Hugging Face checkpoint directory (config.json + *.safetensors or *.bin), a
+GGUF file, or, with load_format="dummy", a directory or config.json alone (random weights
+of that architecture, for benchmarks).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_weights
+from pagedllm.model_executor.models import resolve_architecture
+
+
+@dataclass
+class ModelSource:
+    path: str
+    kind: str  # "hf" | "gguf"
+    load_format: str  # "safetensors" | "pt" | "gguf" | "dummy"
+
+
+def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model {model!r} not found: give a local Hugging Face checkpoint directory or a "
+            ".gguf file (no model hub is contacted)"
+        )
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(path, "gguf", "dummy" if load_format == "dummy" else "gguf")
+    if os.path.isfile(path) and path.endswith(".json"):
+        if load_format != "dummy":
+            raise ValueError("a config.json alone needs load_format='dummy' (random weights)")
+        return ModelSource(os.path.dirname(os.path.abspath(path)), "hf", "dummy")
+    if not os.path.isdir(path):
+        raise ValueError(f"{model!r} is neither a checkpoint directory nor a .gguf file")
+    if load_format == "auto":
+        if glob.glob(os.path.join(path, "*.safetensors")):
+            load_format = "safetensors"
+        elif glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
+            load_format = "pt"
+        elif ggufs := sorted(glob.glob(os.path.join(path, "*.gguf"))):
+            return ModelSource(ggufs[0], "gguf", "gguf")
+        else:
+            raise ValueError(f"no weights (*.safetensors, *.bin, *.gguf) in {path!r}")
+    return ModelSource(path, "hf", load_format)
+
+
+def load_hf_config(source: ModelSource):
+    if source.kind == "gguf":
+        return gguf_config(source.path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source.path)
+
+
+def _hf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.load_format == "safetensors":
+        from safetensors import safe_open
+
+        for f in sorted(glob.glob(os.path.join(source.path, "*.safetensors"))):
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    yield name, st.get_tensor(name)
+    else:
+        files = sorted(glob.glob(os.path.join(source.path, "*.bin")) + glob.glob(os.path.join(source.path, "*.pt")))
+        for f in files:
+            state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+
+
+def _dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights with sane activations: matrices ~N(0, 0.02), norms 1, biases 0."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() == 1:
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02))
+
+
+def load_model(source: ModelSource, hf_config, max_positions: int, backend, device: torch.device,
+               dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    arch, cls = resolve_architecture(hf_config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, arch, max_positions, backend)
+    finally:
+        torch.set_default_dtype(prev)
+    if source.load_format == "dummy":
+        _dummy_weights(model, seed)
+    elif source.kind == "gguf":
+        model.load_weights(gguf_weights(source.path, hf_config))
+    else:
+        model.load_weights(_hf_weights(source))
+    # Rotary tables stay float32 for accuracy whatever the weights' dtype.
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+    return model.eval()

@@ -1,0 +1,209 @@
+"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+They differ only in switches read from the config: bias on q/k/v (Qwen2) or on every
+attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3), an explicit
+head_dim, tied embeddings and the rope scaling. q/k/v and gate/up are fused into single
+matmuls; the loader fills the fused weights shard by shard.
+
+The model sees one flat batch of tokens and an attention-metadata object; it knows nothing
+of requests, blocks or the scheduler.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.model_executor.layers.norm import RMSNorm
+from pagedllm.model_executor.layers.rotary import RotaryEmbedding
+
+
+class ModelShape:
+    """The numbers a decoder layer needs, read once from a transformers config."""
+
+    def __init__(self, config, architecture: str):
+        self.hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        self.intermediate = config.intermediate_size
+        self.eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.vocab = config.vocab_size
+        self.num_layers = config.num_hidden_layers
+        self.tie_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_bias = is_qwen2 or attn_bias
+        self.o_bias = attn_bias and not is_qwen2
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.hidden_act = getattr(config, "hidden_act", "silu")
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported activation {self.hidden_act!r}")
+        rotary_pct = getattr(config, "partial_rotary_factor", 1.0)
+        self.rotary_dim = int(self.head_dim * rotary_pct)
+
+
+class MergedLinear(nn.Linear):
+    """A linear layer whose output rows are several checkpoint tensors stacked (q|k|v or
+    gate|up). `shards` maps a shard name to its row range."""
+
+    def __init__(self, in_features: int, sizes: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(sizes.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in sizes.items():
+            self.shards[name] = (start, size)
+            start += size
+
+    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+        start, size = self.shards[shard]
+        target = getattr(self, param_name)
+        if tensor.shape[0] != size:
+            raise ValueError(f"shard {shard!r} expects {size} rows, checkpoint has {tensor.shape[0]}")
+        target.data[start : start + size].copy_(tensor)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape, rotary: RotaryEmbedding, backend):
+        super().__init__()
+        self.s = s
+        self.q_size = s.num_heads * s.head_dim
+        self.kv_size = s.num_kv_heads * s.head_dim
+        self.qkv_proj = MergedLinear(
+            s.hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, s.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, s.hidden, bias=s.o_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.eps)
+            self.k_norm = RMSNorm(s.head_dim, s.eps)
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = s.head_dim**-0.5
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+        s = self.s
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.inter = s.intermediate
+        self.gate_up_proj = MergedLinear(s.hidden, {"gate": s.intermediate, "up": s.intermediate}, s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=s.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape, rotary, backend):
+        super().__init__()
+        self.self_attn = Attention(s, rotary, backend)
+        self.mlp = MLP(s)
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, s: ModelShape, rotary, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary, backend) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden, s.eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+
+    # checkpoint name fragment -> (our fused module fragment, shard)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", "gate"),
+        ".up_proj.": (".gate_up_proj.", "up"),
+    }
+
+    def __init__(self, config, architecture: str, max_positions: int, backend):
+        super().__init__()
+        self.shape = s = ModelShape(config, architecture)
+        rotary = RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions)
+        self.model = DecoderModel(s, rotary, backend)
+        self.rotary = rotary  # registered once, shared by every layer
+        if not s.tie_embeddings:
+            self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.shape.tie_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, weights) -> None:
+        """Fill parameters from (checkpoint name, tensor) pairs in HF naming."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.shape.tie_embeddings:
+                continue
+            for frag, (fused, shard) in self.stacked_params.items():
+                if frag in name:
+                    target = name.replace(frag, fused)
+                    module_name, param_name = target.rsplit(".", 1)
+                    module = self.get_submodule(module_name)
+                    module.load_shard(param_name, shard, tensor)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+                p = params[name]
+                if p.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
+                p.data.copy_(tensor)
+                loaded.add(name)
+        missing = []
+        for name, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                full = f"{name}.{pname}"
+                if isinstance(module, MergedLinear):
+                    missing += [f"{full}#{sh}" for sh in module.shards if f"{full}#{sh}" not in loaded]
+                elif full not in loaded:
+                    missing.append(full)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

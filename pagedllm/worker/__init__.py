@@ -1,0 +1,1 @@
+"""Runs the model for a scheduled step on one device."""
