@@ -167,8 +167,11 @@ class ModelRunner:
                 ids.append(self.states[c.request_id].token_ids[c.start])
             positions.append(starts)
             slots.append(tables[np.arange(num_decode), starts // bs] * bs + starts % bs)
-            sample_rows.extend(range(num_decode))
-            sample_ids.extend(c.request_id for c in dec)
+            for i, c in enumerate(dec):
+                self._owe_prompt_logprobs(c, i, plp_rows)
+                if c.sample:  # a one-token prefill chunk attends like a decode but samples nothing
+                    sample_rows.append(i)
+                    sample_ids.append(c.request_id)
             row = num_decode
         for c in chunks[num_decode:]:
             st = self.states[c.request_id]
@@ -180,14 +183,7 @@ class ModelRunner:
             ctx = c.start + c.num_tokens
             prefills.append(PrefillSeq(row, c.num_tokens, ctx,
                                        torch.as_tensor(table[: -(-ctx // bs)], device=self.device)))
-            if st.params.prompt_logprobs is not None:
-                # Position p predicts prompt token p + 1.
-                lo = max(c.start, st.prompt_lp_next - 1)
-                hi = min(ctx, st.num_prompt - 1)
-                if hi > lo:
-                    plp_rows[c.request_id] = (list(range(row + lo - c.start, row + hi - c.start)),
-                                              st.token_ids[lo + 1 : hi + 1])
-                    st.prompt_lp_next = hi + 1
+            self._owe_prompt_logprobs(c, row, plp_rows)
             if c.sample:
                 sample_rows.append(row + c.num_tokens - 1)
                 sample_ids.append(c.request_id)
@@ -222,6 +218,19 @@ class ModelRunner:
             if lp is not None:
                 out.logprobs[rid] = lp
         return out
+
+    def _owe_prompt_logprobs(self, c, row: int, plp_rows: dict) -> None:
+        """Rows of this chunk whose logits give prompt logprobs not yet reported
+        (position p predicts prompt token p + 1; a recomputed chunk reports nothing twice)."""
+        st = self.states[c.request_id]
+        if st.params.prompt_logprobs is None:
+            return
+        lo = max(c.start, st.prompt_lp_next - 1)
+        hi = min(c.start + c.num_tokens, st.num_prompt - 1)
+        if hi > lo:
+            plp_rows[c.request_id] = (list(range(row + lo - c.start, row + hi - c.start)),
+                                      st.token_ids[lo + 1 : hi + 1])
+            st.prompt_lp_next = hi + 1
 
     def _sampling_batch(self, states: list[_ReqState], vocab: int) -> SamplingBatch:
         dev = self.device

