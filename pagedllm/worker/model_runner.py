@@ -8,6 +8,8 @@ compute and where they live in the cache.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -119,12 +121,20 @@ class ModelRunner:
         return int(total * self.config.gpu_memory_utilization - peak)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.num_layers)
-        ]
+        """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor.
+
+        Zeros matter: attention masks unused slots, but 0 * NaN from stale memory would
+        still poison a row. On CPU the memory is an anonymous mapping, which the kernel
+        zero-fills page by page on first touch, so a large pool costs nothing at start-up
+        (an eager torch.zeros of 2 GiB spends seconds in page faults)."""
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.device.type == "cpu":
+            nbytes = math.prod(shape) * (torch.finfo(self.dtype).bits // 8)
+            self._kv_mmap = mmap.mmap(-1, nbytes)
+            cache = torch.frombuffer(self._kv_mmap, dtype=self.dtype).view(shape)
+        else:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:

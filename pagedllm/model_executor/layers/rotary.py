@@ -44,11 +44,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
-        inv, scale = inv_freq_and_scale(config, rotary_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+        self.config = config
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build_tables(self, device: torch.device) -> None:
+        """Fill the float32 cos/sin tables (after the model is materialised on `device`)."""
+        inv, scale = inv_freq_and_scale(self.config, self.rotary_dim)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
+        self.cos = (freqs.cos() * scale).to(device)
+        self.sin = (freqs.sin() * scale).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""

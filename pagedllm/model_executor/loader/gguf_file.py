@@ -7,6 +7,7 @@ pairs); we undo that so the tensors match the Hugging Face layout our model uses
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
@@ -41,7 +42,9 @@ _GLOBAL_NAMES = {
 }
 
 
+@functools.lru_cache(maxsize=2)
 def _reader(path: str):
+    """Parsing the header (tens of thousands of vocabulary entries) takes seconds: once."""
     import gguf
 
     return gguf.GGUFReader(path)

@@ -94,17 +94,19 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        # Built on the meta device and materialised uninitialised: every parameter is
+        # overwritten by the checkpoint (load_weights checks none is missing), so random
+        # initialisation would only cost seconds.
+        with torch.device("meta"):
             model = cls(hf_config, arch, max_positions, backend)
     finally:
         torch.set_default_dtype(prev)
+    model = model.to_empty(device=device)
+    model.rotary.build_tables(device)
     if source.load_format == "dummy":
         _dummy_weights(model, seed)
     elif source.kind == "gguf":
         model.load_weights(gguf_weights(source.path, hf_config))
     else:
         model.load_weights(_hf_weights(source))
-    # Rotary tables stay float32 for accuracy whatever the weights' dtype.
-    model.rotary.cos = model.rotary.cos.float()
-    model.rotary.sin = model.rotary.sin.float()
     return model.eval()
