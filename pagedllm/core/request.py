@@ -52,6 +52,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

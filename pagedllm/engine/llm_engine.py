@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
@@ -15,6 +16,7 @@ from pagedllm.core.block_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.output_processor import OutputProcessor, child_id
+from pagedllm.metrics import EngineMetrics
 from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -75,6 +77,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, source.path)
         self._num_seqs: dict[str, int] = {}
+        self.metrics = EngineMetrics(config.model_name)
+        self.metrics.update_pool(self.stats())
 
     # ------------------------------------------------------------------ info
     @property
@@ -159,6 +163,7 @@ class LLMEngine:
                 self.scheduler.release(req.request_id)
             raise
         self._num_seqs[request_id] = params.n
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.output_processor.add(request_id, prompt, prompt_token_ids, [r.sampling_params for r in children])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -169,6 +174,8 @@ class LLMEngine:
             cid = child_id(request_id, i, n)
             self.scheduler.abort(cid)
             self.scheduler.release(cid)
+        self.metrics.request_finished("abort")
+        self.metrics.update_pool(self.stats())
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -188,8 +195,17 @@ class LLMEngine:
         for sid, entries in out.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(sid, entries)
         touched: dict[str, None] = {}
+        now = time.monotonic()
+        m = self.metrics
         for req, token in self.scheduler.update(so, out.sampled):
             sid = req.request_id
+            m.generation_tokens.inc()
+            if req.last_token_time is None:
+                m.time_to_first_token.observe(now - req.arrival_time)
+                m.request_queue_time.observe((req.first_scheduled_time or now) - req.arrival_time)
+            else:
+                m.inter_token_latency.observe(now - req.last_token_time)
+            req.last_token_time = now
             self.output_processor.set_cached_tokens(sid, req.num_cached_tokens)
             finish = req.status.value if req.is_finished else None
             hit = self.output_processor.add_token(sid, token, out.logprobs.get(sid), finish, req.stop_reason)
@@ -205,5 +221,8 @@ class LLMEngine:
             o = self.output_processor.output(pid)
             if o.finished:
                 del self._num_seqs[pid]
+                m.request_finished(o.outputs[0].finish_reason or "stop")
+                m.e2e_request_latency.observe(now - o.metrics["arrival_time"])
             outputs.append(o)
+        m.update_pool(self.stats())
         return outputs

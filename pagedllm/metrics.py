@@ -1,0 +1,64 @@
+"""Prometheus metrics of one engine, named like vLLM's with our `pagedllm:` prefix.
+
+Each engine owns its registry (several engines in one process, as in tests, never clash);
+the server exposes it at /metrics. The engine loop updates it once per step, so scraping
+costs the loop nothing.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        lab = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"pagedllm:{name}", doc, lab, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(f"pagedllm:{name}", doc, lab, registry=r).labels(model_name)
+
+        def hist(name, doc, buckets):
+            return Histogram(f"pagedllm:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.kv_cache_blocks = gauge("kv_cache_blocks", "Blocks in the KV-cache pool.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model = model_name
+        self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.inter_token_latency = hist("inter_token_latency_seconds", "Time between tokens of a sequence.", _ITL_BUCKETS)
+        self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.request_queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS)
+        self._last_queries = self._last_hits = self._last_preemptions = 0
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(self._model, reason).inc()
+
+    def update_pool(self, stats) -> None:
+        """Set gauges and advance cumulative counters from an EngineStats snapshot."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_usage)
+        self.kv_cache_blocks.set(stats.num_blocks)
+        self.prefix_cache_queries.inc(stats.prefix_queries - self._last_queries)
+        self.prefix_cache_hits.inc(stats.prefix_hits - self._last_hits)
+        self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_queries, self._last_hits = stats.prefix_queries, stats.prefix_hits
+        self._last_preemptions = stats.num_preemptions
