@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata, PrefillSeq, get_attention_backend
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.config import EngineConfig
+from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model_executor.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
 from pagedllm.model_executor.loader import ModelSource, load_model
@@ -76,7 +77,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
 
     @property
     def weight_bytes(self) -> int:
@@ -85,22 +86,15 @@ class ModelRunner:
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        per_seq = -(-self.max_model_len // self.block_size)
         if self.device.type == "cuda":
-            budget = self._profile_free_gpu_bytes(max_num_batched_tokens)
-        else:
-            budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY
-            if self.config.kv_cache_memory_bytes is None:
-                # Unset on CPU: no need to reserve more than every sequence at full length.
-                return max(1, min(budget // self.bytes_per_block, max_num_seqs * per_seq))
-        blocks = budget // self.bytes_per_block
-        if blocks < 1:
-            raise RuntimeError("no memory left for the KV cache: lower the token budget or raise memory")
-        return int(blocks)
+            peak = self._profile_peak_gpu_bytes(max_num_batched_tokens)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            return gpu_num_blocks(total, self.config.gpu_memory_utilization, peak, self.bytes_per_block)
+        return cpu_num_blocks(self.config.kv_cache_memory_bytes, self.bytes_per_block, max_num_seqs,
+                              self.max_model_len, self.block_size)
 
-    def _profile_free_gpu_bytes(self, num_tokens: int) -> int:
-        """Run the largest step the scheduler may produce and keep what is left of
-        `gpu_memory_utilization` of the device after the peak."""
+    def _profile_peak_gpu_bytes(self, num_tokens: int) -> int:
+        """Peak memory of the largest step the scheduler may produce (weights included)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         nblk = -(-num_tokens // self.block_size)
@@ -117,8 +111,7 @@ class ModelRunner:
         self.kv_caches = []
         del h
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * self.config.gpu_memory_utilization - peak)
+        return peak
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor.

@@ -1,0 +1,126 @@
+"""`pagedllm plan`: how a model fits in memory, without loading its weights.
+
+For each dtype / quantization it prints the weight memory, the KV bytes per token, and how
+many blocks, tokens and full-length sequences the pool holds, using the same sizing rules
+as the engine (pagedllm.memory). Parameters are counted on PyTorch's meta device, so even
+a 70B config is planned in a second on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagedllm.config import parse_bytes
+from pagedllm.memory import blocks_for_bytes, cpu_num_blocks, kv_bytes_per_token
+from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.model_executor.models import resolve_architecture
+
+# name -> (bytes per weight of the linear layers, bytes per element of everything else and KV)
+WEIGHT_FORMATS = {
+    "float32": (4.0, 4),
+    "bfloat16": (2.0, 2),
+    "int8 (8-bit GPTQ)": (1.0 + 2 / 128, 2),
+    "int4 (GPTQ/AWQ g128)": (0.5 + 4 / 128, 2),  # + fp16 scale and packed zero per group
+}
+
+
+@dataclass
+class PlanRow:
+    format: str
+    weights_GiB: float
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_blocks: int
+    kv_tokens: int
+    seqs_at_max_len: float
+
+
+def count_parameters(hf_config) -> tuple[int, int]:
+    """(parameters in linear layers, all other parameters) of the model we would build."""
+    arch, cls = resolve_architecture(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config, arch, 1, None)
+    linear = sum(m.weight.numel() for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and m.weight is not getattr(
+                     model.model.embed_tokens, "weight", None))
+    total = sum(p.numel() for p in model.parameters())
+    return linear, total - linear
+
+
+def plan_rows(model: str | None, max_model_len: int | None = None, block_size: int = 16,
+              gpu_memory: float | None = None, gpu_memory_utilization: float = 0.9,
+              kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+              max_num_batched_tokens: int | None = None, load_format: str = "auto") -> tuple[dict, list[PlanRow]]:
+    from pagedllm.config import EngineConfig
+
+    cfg = EngineConfig(model=model, load_format=load_format)
+    hf = load_hf_config(resolve_source(cfg.model, load_format))
+    arch, _ = resolve_architecture(hf)
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    layers = hf.num_hidden_layers
+    max_len = max_model_len or getattr(hf, "max_position_embeddings", 2048)
+    linear, other = count_parameters(hf)
+    on_gpu = gpu_memory is not None
+    budget_tokens = max_num_batched_tokens or (8192 if on_gpu else 2048)
+    rows = []
+    for name, (w_bytes, elem) in WEIGHT_FORMATS.items():
+        weights = linear * w_bytes + other * elem
+        per_token = kv_bytes_per_token(layers, kv_heads, head_dim, elem)
+        per_block = per_token * block_size
+        if on_gpu:
+            # Activations of the largest step, as the engine's profiling pass would see them.
+            act = budget_tokens * (4 * hf.hidden_size + 3 * hf.intermediate_size) * elem
+            act += min(budget_tokens, 256) * hf.vocab_size * 4 * 2 + budget_tokens * per_token
+            free = gpu_memory * 2**30 * gpu_memory_utilization - weights - act
+            blocks = blocks_for_bytes(int(free), per_block) if free >= per_block else 0
+        else:
+            blocks = cpu_num_blocks(kv_cache_memory, per_block, max_num_seqs, max_len, block_size)
+        rows.append(PlanRow(name, round(weights / 2**30, 3), int(weights), per_token, blocks, blocks * block_size,
+                            round(blocks * block_size / max_len, 2)))
+    info = {"model": cfg.model, "architecture": arch, "parameters": linear + other,
+            "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "max_model_len": max_len,
+            "block_size": block_size, "memory": f"{gpu_memory} GiB GPU x {gpu_memory_utilization}"
+            if on_gpu else f"CPU, kv_cache_memory={kv_cache_memory or 'default'}"}
+    return info, rows
+
+
+def add_plan_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="how a model fits in memory (no weights loaded)")
+    p.add_argument("model_tag", nargs="?", default=None, help="model path (default: SmolLM2)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-model-len", "--max-context-length", dest="max_model_len", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory", type=float, help="GPU memory in GiB (plans for a GPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", help="CPU pool size, e.g. 4GiB")
+    p.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch", dest="max_num_batched_tokens", type=int)
+    p.add_argument("--load-format", default="auto")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    info, rows = plan_rows(args.model or args.model_tag, args.max_model_len, args.block_size,
+                           args.gpu_memory, args.gpu_memory_utilization,
+                           parse_bytes(args.kv_cache_memory), args.max_num_seqs,
+                           args.max_num_batched_tokens, args.load_format)
+    for k, v in info.items():
+        print(f"{k:>16}: {v}")
+    cols = list(asdict(rows[0]))
+    print()
+    print("  ".join(f"{c:>22}" if i == 0 else f"{c:>18}" for i, c in enumerate(cols)))
+    for r in rows:
+        print("  ".join(f"{v!s:>22}" if i == 0 else f"{v!s:>18}" for i, v in enumerate(asdict(r).values())))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pagedllm")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    a = parser.parse_args()
+    raise SystemExit(a.func(a))

@@ -1,0 +1,34 @@
+"""KV-cache sizing rules, shared by the engine and `pagedllm plan` so both give one answer."""
+
+from __future__ import annotations
+
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """K and V of every layer for one token."""
+    return 2 * num_layers * num_kv_heads * head_dim * elem_bytes
+
+
+def blocks_for_bytes(budget: int, bytes_per_block: int) -> int:
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise RuntimeError(
+            "no memory left for the KV cache: raise the memory for it or lower the token budget"
+        )
+    return int(blocks)
+
+
+def cpu_num_blocks(kv_cache_memory_bytes: int | None, bytes_per_block: int, max_num_seqs: int,
+                   max_model_len: int, block_size: int) -> int:
+    """CPU pool: the memory the user gave; when unset, at most DEFAULT_KV_CACHE_MEMORY and
+    never more than every sequence at full length needs."""
+    if kv_cache_memory_bytes is not None:
+        return blocks_for_bytes(kv_cache_memory_bytes, bytes_per_block)
+    per_seq = -(-max_model_len // block_size)
+    return max(1, min(DEFAULT_KV_CACHE_MEMORY // bytes_per_block, max_num_seqs * per_seq))
+
+
+def gpu_num_blocks(total_bytes: int, utilization: float, peak_bytes: int, bytes_per_block: int) -> int:
+    """GPU pool: what is left of `utilization` of the device after the profiled peak."""
+    return blocks_for_bytes(int(total_bytes * utilization - peak_bytes), bytes_per_block)
