@@ -7,12 +7,52 @@ costs the loop nothing.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import threading
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class BatchHistogram:
+    """A Prometheus histogram fed a whole step's observations at once.
+
+    prometheus-client's Histogram costs ~10 us per observe(); at hundreds of sequences per
+    step that is milliseconds of the engine loop. Here a step costs one searchsorted."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str):
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = np.asarray(buckets, dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self.sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe_many(self, values) -> None:
+        if not len(values):
+            return
+        v = np.asarray(values, dtype=np.float64)
+        idx = np.searchsorted(self.bounds, v, side="left")  # bucket i holds v <= bounds[i]
+        with self._lock:
+            self.counts += np.bincount(idx, minlength=len(self.counts))
+            self.sum += float(v.sum())
+
+    def observe(self, value: float) -> None:
+        self.observe_many([value])
+
+    def collect(self):
+        with self._lock:
+            cum = np.cumsum(self.counts)
+            total = self.sum
+        fam = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cum[:-1], strict=True)]
+        buckets.append(("+Inf", int(cum[-1])))
+        fam.add_metric([self.model_name], buckets, total)
+        yield fam
 
 
 class EngineMetrics:
@@ -28,7 +68,9 @@ class EngineMetrics:
             return Counter(f"pagedllm:{name}", doc, lab, registry=r).labels(model_name)
 
         def hist(name, doc, buckets):
-            return Histogram(f"pagedllm:{name}", doc, lab, buckets=buckets, registry=r).labels(model_name)
+            h = BatchHistogram(f"pagedllm:{name}", doc, buckets, model_name)
+            r.register(h)
+            return h
 
         self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")

@@ -183,7 +183,7 @@ class Scheduler:
                     req.request_id,
                     req.num_computed_tokens,
                     n,
-                    list(self.kv.block_table(req.request_id)),
+                    self.kv.block_table(req.request_id),  # read by the runner this step
                     req.num_computed_tokens + n == req.num_tokens,
                 )
             )

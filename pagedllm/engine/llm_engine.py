@@ -185,7 +185,10 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine iteration. With `final_only`, outputs are built only for requests
+        that finished (the offline API needs nothing else, and skipping the per-step
+        copies keeps the loop lean at hundreds of sequences)."""
         so = self.scheduler.schedule()
         if so.is_empty:
             if so.finished_req_ids:  # let the worker drop state of aborted requests
@@ -196,29 +199,39 @@ class LLMEngine:
             self.output_processor.add_prompt_logprobs(sid, entries)
         touched: dict[str, None] = {}
         now = time.monotonic()
-        m = self.metrics
-        for req, token in self.scheduler.update(so, out.sampled):
+        ttft: list[float] = []
+        queue: list[float] = []
+        itl: list[float] = []
+        proc = self.output_processor
+        results = self.scheduler.update(so, out.sampled)
+        for req, token in results:
             sid = req.request_id
-            m.generation_tokens.inc()
             if req.last_token_time is None:
-                m.time_to_first_token.observe(now - req.arrival_time)
-                m.request_queue_time.observe((req.first_scheduled_time or now) - req.arrival_time)
+                ttft.append(now - req.arrival_time)
+                queue.append((req.first_scheduled_time or now) - req.arrival_time)
+                proc.set_cached_tokens(sid, req.num_cached_tokens)
             else:
-                m.inter_token_latency.observe(now - req.last_token_time)
+                itl.append(now - req.last_token_time)
             req.last_token_time = now
-            self.output_processor.set_cached_tokens(sid, req.num_cached_tokens)
             finish = req.status.value if req.is_finished else None
-            hit = self.output_processor.add_token(sid, token, out.logprobs.get(sid), finish, req.stop_reason)
+            hit = proc.add_token(sid, token, out.logprobs.get(sid), finish, req.stop_reason)
             if hit is not None:
                 self.scheduler.finish_by_stop_string(sid, hit)
             if req.is_finished:
                 self.scheduler.release(sid)
-            touched[self.output_processor.parent_id(sid)[0]] = None
+            touched[proc.parent_id(sid)[0]] = None
+        m = self.metrics
+        m.generation_tokens.inc(len(results))
+        m.time_to_first_token.observe_many(ttft)
+        m.request_queue_time.observe_many(queue)
+        m.inter_token_latency.observe_many(itl)
         outputs = []
         for pid in touched:
             if pid not in self._num_seqs:
                 continue
-            o = self.output_processor.output(pid)
+            if final_only and not proc.is_finished(pid):
+                continue
+            o = proc.output(pid)
             if o.finished:
                 del self._num_seqs[pid]
                 m.request_finished(o.outputs[0].finish_reason or "stop")

@@ -98,7 +98,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         pending = set(ids)
         while pending and self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     final[out.request_id] = out
                     pending.discard(out.request_id)
