@@ -1,11 +1,30 @@
 """Attention backends over the paged KV cache; the torch one is the reference."""
 
-from pagedllm.attention.metadata import AttentionMetadata, PrefillSeq
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchPagedAttention
 
-__all__ = ["AttentionMetadata", "PrefillSeq", "TorchPagedAttention", "get_attention_backend"]
+__all__ = ["AttentionMetadata", "TorchPagedAttention", "get_attention_backend"]
 
 
-def get_attention_backend(device) -> type:
-    """Pick the fastest backend available for `device` (only the reference exists so far)."""
+def get_attention_backend(device: torch.device):
+    """Triton kernels on CUDA when Triton is installed, the torch reference otherwise.
+    PAGEDLLM_ATTENTION_BACKEND=torch|triton forces one."""
+    choice = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "auto")
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"PAGEDLLM_ATTENTION_BACKEND must be auto|torch|triton, got {choice!r}")
+    want_triton = choice == "triton" or (choice == "auto" and device.type == "cuda")
+    if want_triton:
+        try:
+            from pagedllm.attention.triton_backend import TritonPagedAttention
+        except ImportError:
+            if choice == "triton":
+                raise
+        else:
+            return TritonPagedAttention
     return TorchPagedAttention

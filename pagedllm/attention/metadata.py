@@ -1,30 +1,36 @@
 """What attention needs to know about a flat batch, beyond the tokens themselves.
 
 Built by the model runner, read by the attention backend; models only pass it through.
-Decode tokens (one new token per request) come first in the batch so that all of them can
-be served by one batched kernel call; prefill chunks follow.
+The batch is a list of sequences, each contributing `q_len` consecutive rows (tokens
+computed this step) and attending to `ctx_len` cached tokens (its earlier tokens plus
+these). Single-token sequences (decodes) come first so that one batched kernel launch
+serves all of them; multi-token chunks (prefills) follow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass
-class PrefillSeq:
-    q_start: int  # row of its first token in the flat batch
-    q_len: int  # tokens computed this step
-    ctx_len: int  # tokens in the cache after this step (cached prefix + q_len)
-    block_table: torch.Tensor  # [num_blocks_for_ctx] int64
-
-
-@dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
-    num_decode: int
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] int64, padded with 0
-    decode_context_lens: torch.Tensor | None  # [num_decode] int64
-    max_decode_context: int
-    prefills: list[PrefillSeq]
+    slot_mapping: torch.Tensor  # [T] cache slot of every row; -1 = write nothing (padding)
+    num_decode: int  # the first num_decode sequences have q_len == 1
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    q_start: torch.Tensor  # [S] int32: first row of each sequence
+    q_len: torch.Tensor  # [S] int32
+    ctx_len: torch.Tensor  # [S] int32
+    # Prefill work split for kernels: (sequence index, first query index) per query tile.
+    prefill_tiles: torch.Tensor | None = None  # [2, num_tiles] int32
+    prefill_tile_q: int = 0  # queries per tile the tiles were cut for
+    # Host copies, for backends that loop over sequences in Python.
+    host_q_start: np.ndarray | None = None
+    host_q_len: np.ndarray | None = None
+    host_ctx_len: np.ndarray | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_tables.shape[0])

@@ -1,8 +1,8 @@
 """Paged attention in plain PyTorch: correct on any device, the reference for faster ones.
 
-Decode requests are served together: their context is gathered from the block tables into
-one padded tensor and masked by length, so a decode step costs one SDPA call per layer
-whatever the batch size. Prefill chunks are served one by one (few per step).
+Decode sequences are served together: their context is gathered from the block tables
+into one padded tensor and masked by length, so a decode step costs one SDPA call per
+layer whatever the batch size. Prefill chunks are served one by one (few per step).
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 
 class TorchPagedAttention:
+    name = "torch"
+    prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
+
     @staticmethod
-    def write_kv(
-        k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
+    def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         heads, dim = k.shape[-2:]
         k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
@@ -36,35 +37,38 @@ class TorchPagedAttention:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
+        bs, hkv, dim = k_cache.shape[1:]
         nd = meta.num_decode
         if nd:
-            bs, hkv, dim = k_cache.shape[1:]
-            nblk = -(-meta.max_decode_context // bs)
-            tables = meta.decode_block_tables[:, :nblk]
+            max_ctx = int(meta.host_ctx_len[:nd].max())
+            nblk = -(-max_ctx // bs)
+            tables = meta.block_tables[:nd, :nblk].long()
             kc = k_cache[tables].view(nd, nblk * bs, hkv, dim).transpose(1, 2)
             vc = v_cache[tables].view(nd, nblk * bs, hkv, dim).transpose(1, 2)
             pos = torch.arange(nblk * bs, device=q.device)
-            mask = (pos[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+            mask = (pos[None, :] < meta.ctx_len[:nd, None])[:, None, None, :]
             o = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
             out[:nd] = o.squeeze(2)
-        for p in meta.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
+        for i in range(nd, meta.num_seqs):
+            start, qlen, ctx = (int(meta.host_q_start[i]), int(meta.host_q_len[i]),
+                                int(meta.host_ctx_len[i]))
+            rows = slice(start, start + qlen)
             qs = q[rows].transpose(0, 1).unsqueeze(0)
-            if p.ctx_len == p.q_len:  # nothing cached before: attend to this chunk only
+            if ctx == qlen:  # nothing cached before: attend to this chunk only
                 ks = k[rows].transpose(0, 1).unsqueeze(0)
                 vs = v[rows].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                   enable_gqa=gqa)
             else:
-                hkv, dim = k_cache.shape[2:]
-                ks = k_cache[p.block_table].view(-1, hkv, dim)[: p.ctx_len]
-                vs = v_cache[p.block_table].view(-1, hkv, dim)[: p.ctx_len]
-                ks = ks.transpose(0, 1).unsqueeze(0)
-                vs = vs.transpose(0, 1).unsqueeze(0)
-                qpos = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=q.device)
-                kpos = torch.arange(p.ctx_len, device=q.device)
+                table = meta.block_tables[i, : -(-ctx // bs)].long()
+                ks = k_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                vs = v_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+                kpos = torch.arange(ctx, device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                   enable_gqa=gqa)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out

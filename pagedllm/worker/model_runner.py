@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagedllm.attention import AttentionMetadata, PrefillSeq, get_attention_backend
+from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import ScheduledChunk, SchedulerOutput
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
-from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.model_executor.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
 from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.sampling_params import SamplingParams
@@ -63,7 +63,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(self.device)
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
-                                self.dtype, config.seed)
+                                self.dtype, config.seed, config.quantization)
         s = self.model.shape
         self.num_layers, self.num_kv_heads, self.head_dim = s.num_layers, s.num_kv_heads, s.head_dim
         self.vocab_size = s.vocab
@@ -72,6 +72,7 @@ class ModelRunner:
         self.sampler = Sampler(gen)
         self.states: dict[str, _ReqState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs = None  # DecodeGraphs, captured after the KV cache exists (CUDA only)
 
     # ------------------------------------------------------------------ memory
     @property
@@ -97,12 +98,17 @@ class ModelRunner:
         """Peak memory of the largest step the scheduler may produce (weights included)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        nblk = -(-num_tokens // self.block_size)
-        self.allocate_kv_cache(nblk)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(num_tokens, device=self.device) % self.max_model_len
-        meta = AttentionMetadata(torch.arange(num_tokens, device=self.device), 0, None, None, 0,
-                                 [PrefillSeq(0, num_tokens, num_tokens, torch.arange(nblk, device=self.device))])
+        # Sequences of at most max_model_len tokens filling the whole token budget.
+        seq_lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
+        per_seq = -(-self.max_model_len // self.block_size)
+        self.allocate_kv_cache(per_seq * len(seq_lens))
+        chunks = [ScheduledChunk(f"profile{i}", 0, n, list(range(i * per_seq, (i + 1) * per_seq)), False)
+                  for i, n in enumerate(seq_lens)]
+        self.states = {c.request_id: _ReqState([0] * c.num_tokens, c.num_tokens, SamplingParams(), None)
+                       for c in chunks}
+        _, arrays, _ = self._layout(chunks)
+        self.states = {}
+        ids, pos, meta = self._metadata(arrays, 0)
         with torch.inference_mode():
             h = self.model(ids, pos, self.kv_caches, meta)
             self.model.compute_logits(h[-min(num_tokens, 256):])
@@ -144,75 +150,101 @@ class ModelRunner:
                 len(new.prompt_token_ids), p, gen,
             )
 
+    def _layout(self, chunks) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """Host-side arrays of one step: token ids, positions, slots and per-sequence
+        bookkeeping, computed with numpy rather than per-token Python."""
+        bs = self.block_size
+        n = len(chunks)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
+        lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
+        q_start = np.zeros(n, dtype=np.int64)
+        np.cumsum(lens[:-1], out=q_start[1:])
+        width = max(len(c.block_table) for c in chunks)
+        tables = np.zeros((n, width), dtype=np.int32)
+        ids: list[int] = []
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_table)] = c.block_table
+            toks = self.states[c.request_id].token_ids
+            if c.num_tokens == 1:
+                ids.append(toks[c.start])
+            else:
+                ids.extend(toks[c.start : c.start + c.num_tokens])
+        total = int(lens.sum())
+        seq_of_row = np.repeat(np.arange(n), lens)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - starts, lens)
+        slots = tables[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
+        arrays = {"ids": np.asarray(ids, dtype=np.int64), "positions": positions, "slots": slots,
+                  "q_start": q_start, "q_len": lens, "ctx_len": starts + lens, "tables": tables}
+        return lens, arrays, total
+
+    def _metadata(self, arrays: dict[str, np.ndarray], num_decode: int) -> tuple:
+        """Move one step's arrays to the device in a single copy and build the metadata."""
+        tile_q = getattr(self.backend, "tile_q", None)
+        tiles = np.zeros((2, 0), dtype=np.int64)
+        tq = 0
+        if tile_q is not None:
+            tq = tile_q(self.model.shape.num_heads // self.model.shape.num_kv_heads)
+            lens = arrays["q_len"][num_decode:]
+            counts = -(-lens // tq)
+            seqs = np.repeat(np.arange(num_decode, num_decode + len(lens)), counts)
+            first = np.zeros(len(counts), dtype=np.int64)
+            np.cumsum(counts[:-1], out=first[1:])
+            within = np.arange(int(counts.sum())) - np.repeat(first, counts)
+            tiles = np.stack([seqs, within * tq])
+        parts = [arrays[k].astype(np.int32, copy=False).ravel()
+                 for k in ("ids", "positions", "slots", "q_start", "q_len", "ctx_len", "tables")]
+        parts.append(tiles.astype(np.int32).ravel())
+        sizes = [len(p) for p in parts]
+        flat = torch.from_numpy(np.concatenate(parts))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        ids, pos, slots, q_start, q_len, ctx, tables, tiles_t = flat.split(sizes)
+        meta = AttentionMetadata(
+            slot_mapping=slots, num_decode=num_decode,
+            block_tables=tables.view(arrays["tables"].shape), q_start=q_start, q_len=q_len,
+            ctx_len=ctx, prefill_tiles=tiles_t.view(2, -1), prefill_tile_q=tq,
+            host_q_start=arrays["q_start"], host_q_len=arrays["q_len"],
+            host_ctx_len=arrays["ctx_len"],
+        )
+        if self.backend.name == "torch":  # index_copy_ and embedding want int64 indices
+            meta.slot_mapping = slots.long()
+        return ids, pos, meta
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self._update_states(so)
-        bs = self.block_size
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
-
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        prefills: list[PrefillSeq] = []
+        lens, arrays, _ = self._layout(chunks)
+        row_ends = arrays["q_start"] + lens
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         plp_rows: dict[str, tuple[list[int], list[int]]] = {}
-        row = 0
-        # Decodes: one token each, vectorised.
-        if num_decode:
-            dec = chunks[:num_decode]
-            starts = np.fromiter((c.start for c in dec), dtype=np.int64, count=num_decode)
-            width = max(len(c.block_table) for c in dec)
-            tables = np.zeros((num_decode, width), dtype=np.int64)
-            for i, c in enumerate(dec):
-                tables[i, : len(c.block_table)] = c.block_table
-                ids.append(self.states[c.request_id].token_ids[c.start])
-            positions.append(starts)
-            slots.append(tables[np.arange(num_decode), starts // bs] * bs + starts % bs)
-            for i, c in enumerate(dec):
-                self._owe_prompt_logprobs(c, i, plp_rows)
-                if c.sample:  # a one-token prefill chunk attends like a decode but samples nothing
-                    sample_rows.append(i)
-                    sample_ids.append(c.request_id)
-            row = num_decode
-        for c in chunks[num_decode:]:
-            st = self.states[c.request_id]
-            pos = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
-            table = np.asarray(c.block_table, dtype=np.int64)
-            ids.extend(st.token_ids[c.start : c.start + c.num_tokens])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            ctx = c.start + c.num_tokens
-            prefills.append(PrefillSeq(row, c.num_tokens, ctx,
-                                       torch.as_tensor(table[: -(-ctx // bs)], device=self.device)))
-            self._owe_prompt_logprobs(c, row, plp_rows)
-            if c.sample:
-                sample_rows.append(row + c.num_tokens - 1)
+        for c, start, end in zip(chunks, arrays["q_start"].tolist(), row_ends.tolist(), strict=True):
+            self._owe_prompt_logprobs(c, start, plp_rows)
+            if c.sample:  # a chunk short of the end of the prompt samples nothing
+                sample_rows.append(end - 1)
                 sample_ids.append(c.request_id)
-            row += c.num_tokens
 
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decode=num_decode,
-            decode_block_tables=torch.from_numpy(tables).to(dev) if num_decode else None,
-            decode_context_lens=torch.from_numpy(starts + 1).to(dev) if num_decode else None,
-            max_decode_context=int(starts.max()) + 1 if num_decode else 0,
-            prefills=prefills,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(np.concatenate(positions)).to(dev)
-        hidden = self.model(input_ids, pos_t, self.kv_caches, meta)
+        graph_logits = None
+        if self.graphs is not None and num_decode == len(chunks) and not plp_rows:
+            graph_logits = self.graphs.run(arrays)
+        if graph_logits is None:
+            ids, pos, meta = self._metadata(arrays, num_decode)
+            hidden = self.model(ids, pos, self.kv_caches, meta)
 
         out = RunnerOutput()
         for rid, (rows_, targets) in plp_rows.items():
             k = self.states[rid].params.prompt_logprobs
             logits = self.model.compute_logits(hidden[rows_])
-            out.prompt_logprobs[rid] = prompt_logprobs(logits, torch.tensor(targets, device=dev), k)
+            out.prompt_logprobs[rid] = prompt_logprobs(logits, torch.tensor(targets, device=self.device), k)
         if not sample_rows:
             return out
-        logits = self.model.compute_logits(hidden[sample_rows])
+        rows = torch.tensor(sample_rows, device=self.device)
+        if graph_logits is not None:
+            logits = graph_logits.index_select(0, rows)
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
         states = [self.states[r] for r in sample_ids]
         result = self.sampler(logits, self._sampling_batch(states, logits.shape[-1]))
         for rid, st, tok, lp in zip(sample_ids, states, result.token_ids, result.logprobs, strict=True):

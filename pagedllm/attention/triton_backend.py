@@ -1,0 +1,142 @@
+"""Paged attention in Triton for CUDA: KV write by slot mapping, and one attention kernel
+that serves decodes and (chunked) prefills straight from the paged cache.
+
+The attention kernel is GQA-aware: a program owns one KV head and a tile of query tokens,
+and stacks the query heads that share that KV head into the rows of its matrix, so every
+K/V page is loaded once per group instead of once per query head. Keys are read page by
+page through the block table with an online softmax (flash-attention style), causally
+masked by absolute position, so a prefill chunk sees its cached prefix and itself.
+Decodes use one query per tile (grid: sequences x KV heads); prefills use tiles of
+`BLOCK_M // group` queries. Nothing in a launch depends on host-side values other than
+the grid, which is what lets decode steps be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+@triton.jit
+def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot >= 0:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < ROW
+        k = tl.load(K + t * stride_kt + offs, mask=mask)
+        v = tl.load(V + t * stride_vt + offs, mask=mask)
+        tl.store(KC + slot * stride_cs + offs, k, mask=mask)
+        tl.store(VC + slot * stride_cs + offs, v, mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if DIRECT:  # decode launch: tile i is sequence i, query 0
+        seq = pid
+        q0 = 0
+    else:
+        seq = tl.load(tile_seq + pid)
+        q0 = tl.load(tile_q + pid)
+    ctx = tl.load(ctx_lens + seq)
+    qlen = tl.load(q_lens + seq)
+    qstart = tl.load(q_starts + seq)
+
+    m = tl.arange(0, BLOCK_M)
+    qi = q0 + m // GROUP
+    head = kvh * GROUP + m % GROUP
+    row_ok = (m < TILE_Q * GROUP) & (qi < qlen)
+    qpos = ctx - qlen + qi
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rows = (qstart + qi).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
+        k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, k) * scale_log2
+        visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + base[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+class TritonPagedAttention:
+    name = "triton"
+    BLOCK_M_PREFILL = 64
+
+    @classmethod
+    def tile_q(cls, group: int) -> int:
+        """Queries per prefill tile for a GQA group size (the runner cuts tiles with it)."""
+        return max(1, cls.BLOCK_M_PREFILL // group)
+
+    @staticmethod
+    def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+        t, h, d = k.shape
+        row = h * d
+        _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                               k_cache.stride(1), ROW=row, BLOCK=_pow2(row))
+
+    @classmethod
+    def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        hq, dim = q.shape[1], q.shape[2]
+        hkv = k.shape[1]
+        group = hq // hkv
+        page = k_cache.shape[1]
+        common = dict(
+            scale_log2=scale * 1.4426950408889634,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+            stride_bt=meta.block_tables.stride(0),
+            GROUP=group, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=page,
+        )
+        args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
+        if meta.num_decode:
+            _paged_attention_kernel[(meta.num_decode, hkv)](
+                *args, meta.q_start, meta.q_start, TILE_Q=1, BLOCK_M=max(16, _pow2(group)),
+                BLOCK_N=64, DIRECT=True, **common)
+        if meta.prefill_tiles is not None and meta.prefill_tiles.shape[1]:
+            tq = meta.prefill_tile_q
+            _paged_attention_kernel[(meta.prefill_tiles.shape[1], hkv)](
+                *args, meta.prefill_tiles[0].contiguous(), meta.prefill_tiles[1].contiguous(), TILE_Q=tq,
+                BLOCK_M=max(16, _pow2(tq * group)), BLOCK_N=64, DIRECT=False, **common)
+        return out
