@@ -74,6 +74,10 @@ class AsyncEngine:
         self._commands.put(("add", (request_id, prompt, prompt_token_ids, params), fut))
         try:
             await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller left while the add was queued
+            self._streams.pop(request_id, None)
+            self.abort(request_id)  # queued after the add, so it also undoes a late add
+            raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -108,6 +112,8 @@ class AsyncEngine:
 
     def _handle(self, cmd, arg, fut) -> None:
         if cmd == "add":
+            if not fut.set_running_or_notify_cancel():
+                return  # cancelled by its caller before the loop got to it
             try:
                 self.engine.add_request(*arg)
             except Exception as e:  # invalid request: tell the caller, keep serving

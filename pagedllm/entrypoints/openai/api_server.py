@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP server: routes, errors in OpenAI's shape, API keys, startup.
+
+    python -m pagedllm.entrypoints.openai.api_server --port 8080 --max-context-length 4096
+
+Every failure a client can cause is answered with OpenAI's error object and touches no
+other request: validation happens before a request reaches the engine, and the engine
+rejects what only it can check (a ValueError) before the response starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncEngine
+
+from .cli_args import (
+    engine_config,
+    load_chat_template,
+    make_arg_parser,
+    resolve_api_key,
+)
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from .serving_chat import OpenAIServingChat
+from .serving_completion import OpenAIServingCompletion
+from .serving_engine import APIError, OpenAIServing
+
+logger = logging.getLogger("pagedllm.server")
+
+# Liveness probes work without the key.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
+class APIKeyMiddleware:
+    """Rejects requests without `Authorization: Bearer <key>` before any body is read.
+    Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            # Constant time, so the key cannot be guessed byte by byte from response times.
+            ok = hmac.compare_digest(token.strip().encode(), self.expected)
+            if scheme.lower() != "bearer" or not ok:
+                err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                               401, code="invalid_api_key")
+                response = JSONResponse(err.body(), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# Pydantic's names for the branches of a union ('str', 'list[int]'), which mean nothing
+# to a client: a path is cut where one starts.
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """Pydantic's complaint as a 400 naming the field, without its internals (no input
+    echo, no docs links, no error-type codes)."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("invalid request", 400)
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {err.get('msg')}", 400)
+    full = list(err.get("loc", ()))
+    skip = 1 if full[:1] == ["body"] else 0
+    loc = full[skip:]
+    cut = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+    if cut is not None:  # no branch of a union matched: say what each branch wanted
+        loc, prefix = loc[:cut], full[: skip + cut]
+        msgs = dict.fromkeys(e.get("msg", "") for e in errors
+                             if list(e.get("loc", ()))[: len(prefix)] == prefix)
+        msg = "invalid value (" + "; ".join(list(msgs)[:3]) + ")"
+    else:
+        msg = str(err.get("msg"))
+    if not loc:
+        return APIError(f"the request body is invalid: {msg}", 400)
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    return APIError(f"{path}: {msg}", 400, str(loc[0]))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
+    """Run `work` until it answers or the client goes away. A request that is not streamed
+    is cancelled (and so aborted in the engine) when its client disconnects; a streamed
+    one is cancelled by the streaming response itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    result = task.result()
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    """The FastAPI app over a running engine. `chat_template` is the template text."""
+    app = FastAPI(title="pagedllm", version=__version__)
+    base = OpenAIServing(engine, config, chat_template)
+    completions = OpenAIServingCompletion(engine, config, chat_template)
+    chat = OpenAIServingChat(engine, config, chat_template)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(str(exc.detail), exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        err = APIError(f"internal server error: {type(exc).__name__}", 500)
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return JSONResponse(APIError("the engine has stopped", 503).body(), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=config.model, max_model_len=base.max_model_len)
+                               for name in base.served_names])
+
+    @app.get("/v1/engine/stats")
+    async def stats() -> dict:
+        """Scheduler and KV-cache numbers as JSON, e.g. to watch blocks return to the pool."""
+        return {**dataclasses.asdict(engine.stats()), "healthy": engine.is_healthy}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, completions.create(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, chat.create(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        base.check_request(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", 400, "prompt")
+        if body.messages is not None:
+            _, tokens = base.render_chat(body.messages, body.add_generation_prompt)
+        else:
+            tokens = base.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=base.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        base.check_request(body)
+        vocab = len(base.require_tokenizer())
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(f"tokens must be integers in [0, {vocab})", 400, "tokens")
+        return DetokenizeResponse(prompt=base.decode(body.tokens))
+
+    return app
+
+
+def startup_banner(engine: AsyncEngine, config: EngineConfig, names: list[str], host: str,
+                   port: int, api_key: bool) -> str:
+    """What an operator tunes by: the model, the KV pool and the token budget."""
+    d = engine.engine.describe()
+    shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
+    return "\n".join([
+        f"pagedllm {__version__}: serving {', '.join(names)}",
+        f"  model        {d.get('model')}",
+        f"  device       {d.get('device')}, dtype {d.get('dtype')}, "
+        f"weights {d.get('weights_GiB')} GiB",
+        f"  KV cache     {d.get('kv_blocks')} blocks x {d.get('block_size')} tokens = "
+        f"{d.get('kv_tokens')} tokens ({d.get('kv_GiB')} GiB); "
+        f"{d.get('max_len_seqs_that_fit')} sequences of max_model_len {d.get('max_model_len')} fit",
+        f"  batching     max_num_batched_tokens {d.get('max_num_batched_tokens')} per step, "
+        f"max_num_seqs {d.get('max_num_seqs')}, prefix caching "
+        f"{'on' if d.get('prefix_caching') else 'off'}",
+        f"  API          http://{shown_host}:{port}/v1 (listening on {host}:{port}"
+        f"{', API key required' if api_key else ''})",
+    ])
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Load the model, print what was built, and serve until interrupted."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+        chat_template = load_chat_template(args.chat_template)
+        engine = AsyncEngine.from_config(config)
+    except (ValueError, OSError, RuntimeError) as e:
+        logger.debug("startup failed", exc_info=True)
+        raise SystemExit(f"pagedllm: cannot start: {e}") from None
+    try:
+        api_key = resolve_api_key(args)
+        app = build_app(engine, config, api_key=api_key, chat_template=chat_template)
+        names = OpenAIServing(engine, config).served_names
+        print(startup_banner(engine, config, names, args.host, args.port, bool(api_key)), flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_arg_parser(argparse.ArgumentParser(
+        prog="python -m pagedllm.entrypoints.openai.api_server",
+        description="OpenAI-compatible server for pagedllm"))
+    run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

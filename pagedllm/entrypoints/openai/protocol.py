@@ -1,0 +1,274 @@
+"""Request and response bodies of the OpenAI API, as pydantic models.
+
+Requests accept OpenAI's fields plus vLLM's extra sampling fields (sent by the official
+client through `extra_body`), and turn themselves into one `SamplingParams`, so the
+completion and chat endpoints share a single translation. Unknown fields are kept (and
+logged by the server) rather than rejected: newer clients send fields we do not know yet.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from pagedllm.sampling_params import SamplingParams
+
+# Larger than any real logprob and still valid JSON (JSON has no -Infinity).
+MIN_LOGPROB = -9999.0
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # None: the one model this server has
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(OpenAIRequest):
+    """The fields completions and chat share, and their translation to `SamplingParams`."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field for an out-of-range value."""
+        def pick(value, default):
+            return default if value is None else value
+
+        return SamplingParams(
+            n=self.n,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, 1.0),
+            top_k=pick(self.top_k, 0),
+            min_p=pick(self.min_p, 0.0),
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# ---------------------------------------------------------------------- shared responses
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "pagedllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------- completions
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------- chat
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Unsupported OpenAI features, named so that asking for them is a clear 400.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's chat extras.
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobToken] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # a delta carries only what changed
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------- tokenization
+class TokenizeRequest(OpenAIRequest):
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIRequest):
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,135 @@
+"""POST /v1/chat/completions: the conversation through the chat template, one engine
+request whose n samples are the choices."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from pagedllm.outputs import Logprob, PositionLogprobs, RequestOutput
+
+from .protocol import (
+    MIN_LOGPROB,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatStreamChoice,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+)
+from .serving_engine import (
+    SSE_DONE,
+    APIError,
+    DeltaTracker,
+    OpenAIServing,
+    clamp_logprob,
+    random_id,
+    sse,
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest
+                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """The response, or for stream=true the server-sent events of one."""
+        self.check_request(req)
+        self._check_unsupported(req)
+        text, ids = self.render_chat(req.messages, req.add_generation_prompt,
+                                     req.chat_template_kwargs)
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens  # None: the rest of the context
+        self.check_length(len(ids), max_tokens, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens, logprobs)
+        request_id = random_id("chatcmpl")
+        outputs = await self.submit(request_id, [(text, ids)], params, req)
+        if req.stream:
+            return self._stream(req, request_id, len(ids), outputs)
+        return await self._collect(req, request_id, outputs)
+
+    @staticmethod
+    def _check_unsupported(req: ChatCompletionRequest) -> None:
+        if not req.messages:
+            raise APIError("messages must contain at least one message", 400, "messages")
+        if req.tools:
+            raise APIError("tools are not supported by this server", 400, "tools")
+        if req.tool_choice not in (None, "none"):
+            raise APIError("tool_choice is not supported by this server", 400, "tool_choice")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise APIError("only response_format type 'text' is supported", 400, "response_format")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", 400, "top_logprobs")
+
+    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int],
+                  entries: list[PositionLogprobs] | None) -> ChatLogprobs | None:
+        if not req.logprobs:
+            return None
+        k = req.top_logprobs or 0
+        content = []
+        for tid, entry in zip(token_ids, entries or [], strict=False):
+            top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:k]
+            chosen = entry.get(tid)
+            tok = self.token_str(tid, chosen)
+            content.append(ChatLogprobToken(
+                token=tok, logprob=clamp_logprob(chosen.logprob) if chosen else MIN_LOGPROB,
+                bytes=list(tok.encode()), top_logprobs=[self._top(t, v) for t, v in top]))
+        return ChatLogprobs(content=content)
+
+    def _top(self, token_id: int, logprob: Logprob) -> TopLogprob:
+        tok = self.token_str(token_id, logprob)
+        return TopLogprob(token=tok, logprob=clamp_logprob(logprob.logprob), bytes=list(tok.encode()))
+
+    @staticmethod
+    def _usage(prompt_tokens: int, out: RequestOutput) -> UsageInfo:
+        completion = sum(len(o.token_ids) for o in out.outputs)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                         total_tokens=prompt_tokens + completion)
+
+    async def _collect(self, req: ChatCompletionRequest, request_id: str, outputs
+                       ) -> ChatCompletionResponse:
+        async with aclosing(outputs):
+            async for _, out in outputs:
+                final = out
+        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
+                              logprobs=self._logprobs(req, o.token_ids, o.logprobs),
+                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                   for o in final.outputs]
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=self._usage(len(final.prompt_token_ids), final))
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_tokens: int,
+                      outputs) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
+                                           usage=usage))
+
+        tracker = DeltaTracker(with_logprobs=bool(req.logprobs))
+        final = None
+        try:
+            async with aclosing(outputs):
+                async for _, out in outputs:
+                    final = out
+                    for o in out.outputs:
+                        d = tracker.update(o.index, o)
+                        if d is None:
+                            continue
+                        if d.first:  # OpenAI opens every choice with the role alone
+                            yield chunk([ChatStreamChoice(
+                                index=o.index, delta=DeltaMessage(role="assistant", content=""))])
+                        if d.text or d.finish_reason or (req.logprobs and d.token_ids):
+                            yield chunk([ChatStreamChoice(
+                                index=o.index,
+                                delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                                logprobs=self._logprobs(req, d.token_ids, d.logprobs),
+                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+            if req.include_usage and final is not None:
+                yield chunk([], self._usage(prompt_tokens, final))
+        except APIError as e:
+            yield sse(e.body())
+        yield SSE_DONE

@@ -1,0 +1,277 @@
+"""What the completion and chat endpoints share: model names, errors, prompt checks,
+sampling parameters, and running the engine requests of one API call as one stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+from pydantic import BaseModel
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+from .protocol import (
+    MIN_LOGPROB,
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIRequest,
+    SamplingRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+# A prompt as the engine takes it: the text (None for token-id prompts) and its token ids.
+Prompt = tuple[str | None, list[int]]
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+                404: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error the client should see as OpenAI's error object with this HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "server_error"),
+                         param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def served_model_names(config: EngineConfig) -> list[str]:
+    return list(config.served_model_name or [config.model_name])
+
+
+def model_aliases(config: EngineConfig) -> set[str]:
+    """Every name a request may use: the served names, the model path or hub id, its last
+    component, and for a .gguf file that component without the suffix."""
+    path = config.model.rstrip("/")
+    last = path.rsplit("/", 1)[-1]
+    names = {*served_model_names(config), path, last}
+    if last.endswith(".gguf"):
+        names.add(last[: -len(".gguf")])
+    return names
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)  # -inf is not JSON
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    """One server-sent event in OpenAI's framing."""
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        payload = json.dumps(payload)
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+@dataclass
+class Delta:
+    """What one choice gained since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    first: bool
+
+
+@dataclass
+class DeltaTracker:
+    """Turns the engine's cumulative outputs into per-choice deltas for a stream. The
+    engine never takes back text it has released, so slicing by what was sent is safe."""
+
+    with_logprobs: bool
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)  # choice -> (chars, tokens)
+    finished: set[int] = field(default_factory=set)
+
+    def update(self, choice: int, out: CompletionOutput) -> Delta | None:
+        if choice in self.finished:
+            return None
+        first = choice not in self.sent
+        chars, tokens = self.sent.get(choice, (0, 0))
+        text, ids = out.text[chars:], out.token_ids[tokens:]
+        self.sent[choice] = (max(chars, len(out.text)), len(out.token_ids))
+        if out.finish_reason is not None:
+            self.finished.add(choice)
+        elif not (text or first or (self.with_logprobs and ids)):
+            return None
+        logprobs = out.logprobs[tokens:] if out.logprobs is not None else None
+        return Delta(text, ids, logprobs, out.finish_reason, out.stop_reason, first)
+
+
+def param_of(message: str, request: BaseModel | None) -> str | None:
+    """The request field a validation message names first ('temperature must be ...')."""
+    word = message.split(" ", 1)[0]
+    return word if request is not None and word in type(request).model_fields else None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: EngineConfig, chat_template: str | None = None):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.chat_template = chat_template
+        self.served_names = served_model_names(config)
+        self.aliases = model_aliases(config)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    # ------------------------------------------------------------------ checks
+    def check_request(self, request: OpenAIRequest) -> None:
+        if request.model is not None and request.model not in self.aliases:
+            raise APIError(f"The model `{request.model}` does not exist; this server has "
+                           f"{', '.join(self.served_names)}.", 404, "model", "model_not_found")
+        if request.unknown_fields():
+            logger.warning("ignoring unsupported request fields: %s", request.unknown_fields())
+        if isinstance(request, SamplingRequest) and request.stream_options and not request.stream:
+            raise APIError("stream_options is only allowed with stream=true", 400, "stream_options")
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens == 0:
+            raise APIError("the prompt is empty: it must contain at least one token", 400, prompt_param)
+        if num_prompt_tokens >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens, and the prompt "
+                           f"has {num_prompt_tokens} tokens (at least one token must be left to "
+                           "generate). Please shorten the prompt.", 400, prompt_param,
+                           "context_length_exceeded")
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} "
+                           f"in the prompt, {max_tokens} for the completion). Please reduce the "
+                           "length of the prompt or the completion.", 400, "max_tokens",
+                           "context_length_exceeded")
+
+    def sampling_params(self, request: SamplingRequest, max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise APIError(str(e), 400, param_of(str(e), request)) from None
+
+    # ------------------------------------------------------------------ text
+    def require_tokenizer(self):
+        if self.tokenizer is None:
+            raise APIError("this server runs without a tokenizer: send token ids", 400, "prompt")
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.require_tokenizer().decode(list(token_ids))
+
+    def token_str(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict | None = None) -> Prompt:
+        """The chat template applied to the conversation, as text and token ids."""
+        tok = self.require_tokenizer()
+        conversation = []
+        for i, m in enumerate(messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise APIError(f"messages[{i}].content: only text parts are supported", 400,
+                                   "messages")
+                content = "\n".join(p.text for p in content)
+            message = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            conversation.append(message)
+        try:
+            text = tok.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+        # The template already wrote the special tokens it wants (BOS, role markers).
+        return text, tok.encode(text, add_special_tokens=False)
+
+    # ------------------------------------------------------------------ running
+    async def submit(self, request_id: str, prompts: list[Prompt], params: SamplingParams,
+                     request: BaseModel | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Start one engine request per prompt and wait for their first outputs, so that an
+        invalid request fails here, before any response has begun; then stream
+        (prompt index, cumulative output) pairs. Closing the stream aborts what is left."""
+        gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                     text, ids, params)
+                for i, (text, ids) in enumerate(prompts)]
+        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        errors = [e for e in firsts if isinstance(e, BaseException)]
+        if errors:
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+            raise as_api_error(errors[0], request)
+        return _merge(gens, firsts, request)
+
+
+def as_api_error(e: BaseException, request: BaseModel | None = None) -> BaseException:
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 503)
+    if isinstance(e, ValueError):
+        return APIError(str(e), 400, param_of(str(e), request))
+    return e
+
+
+async def _merge(gens: list, firsts: list[RequestOutput], request: BaseModel | None
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several engine streams, interleaved as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, done))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        for i, first in enumerate(firsts):
+            yield i, first
+        live = len(tasks)
+        while live:
+            i, item = await queue.get()
+            if item is done:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise as_api_error(item, request)
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)

