@@ -103,6 +103,12 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto|safetensors|pt|gguf|dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16"):
             raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {self.dtype!r}")
+        if self.quantization is not None:
+            # Only the spelling is checked here; the checkpoint decides at load (a mismatch
+            # between this and what the checkpoint says is an error then).
+            self.quantization = self.quantization.lower()
+            if self.quantization not in ("gptq", "awq", "gguf"):
+                raise ValueError(f"quantization must be gptq|awq|gguf or None (detect), got {self.quantization!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
 

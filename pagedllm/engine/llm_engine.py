@@ -71,6 +71,7 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
         num_blocks = self.runner.determine_num_blocks(self.max_num_batched_tokens, config.max_num_seqs)
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs(config.max_num_seqs)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    self.max_model_len)

@@ -119,6 +119,17 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode steps as CUDA graphs (needs the graph-safe Triton backend)."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+            return
+        from pagedllm.worker.cuda_graphs import DecodeGraphs
+
+        max_blocks = -(-self.max_model_len // self.block_size)
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
+                                       min(max_num_seqs, 256), max_blocks)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor.
 

@@ -86,6 +86,8 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
                    help=_default("tensor_parallel_size"))
     e.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    e.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
@@ -108,7 +110,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = ["tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
-             "enable_prefix_caching", "tensor_parallel_size", "device"]
+             "enable_prefix_caching", "tensor_parallel_size", "device", "enforce_eager"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
 
