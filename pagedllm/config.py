@@ -69,6 +69,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     device: str | None = None
+    enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or to save their memory)
     hf_overrides: dict = field(default_factory=dict)
 
     @classmethod
