@@ -62,7 +62,8 @@ def _meta(tables, slots, q_start, ql, ctx, nd, tile_q):
     tiles_t = t(np.array(tiles, dtype=np.int64).T.reshape(2, -1)) if tiles else t(np.zeros((2, 0)))
     return AttentionMetadata(
         slot_mapping=torch.as_tensor(slots, device=DEV), num_decode=nd, block_tables=t(tables),
-        q_start=t(q_start), q_len=t(ql), ctx_len=t(ctx), prefill_tiles=tiles_t, prefill_tile_q=tile_q,
+        q_start=t(q_start), q_len=t(ql), ctx_len=t(ctx), prefill_tiles=tiles_t,
+        num_prefill_tiles=len(tiles), prefill_tile_q=tile_q,
         host_q_start=q_start, host_q_len=ql, host_ctx_len=ctx)
 
 

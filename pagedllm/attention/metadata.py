@@ -24,7 +24,8 @@ class AttentionMetadata:
     q_len: torch.Tensor  # [S] int32
     ctx_len: torch.Tensor  # [S] int32
     # Prefill work split for kernels: (sequence index, first query index) per query tile.
-    prefill_tiles: torch.Tensor | None = None  # [2, num_tiles] int32
+    prefill_tiles: torch.Tensor | None = None  # [2, >= num_prefill_tiles] int32
+    num_prefill_tiles: int = 0
     prefill_tile_q: int = 0  # queries per tile the tiles were cut for
     # Host copies, for backends that loop over sequences in Python.
     host_q_start: np.ndarray | None = None

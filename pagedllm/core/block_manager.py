@@ -94,8 +94,10 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `req` (after its computed ones and
         any prefix-cache hits). Returns False, changing nothing, if the pool is too small."""
-        computed_blocks = computed_blocks or []
         table = self.tables.get(req.request_id, [])
+        if not computed_blocks and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # fits the blocks it holds: the common decode step, kept cheap
+        computed_blocks = computed_blocks or []
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(table) - len(computed_blocks)
         # Hits sitting in the free queue stop being free once we take them.

@@ -27,10 +27,12 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.max_batch = b = self.sizes[-1]
         self.width = w = max_blocks
-        # Field offsets in the packed buffer: ids, positions, slots, q_start, q_len, ctx, tables.
-        self._off = {name: i * b for i, name in enumerate(("ids", "pos", "slots", "q_start", "q_len", "ctx"))}
-        self._off["tables"] = 6 * b
-        n = 6 * b + b * w
+        # Field offsets in the packed buffer: ids, positions, slots, q_start, q_len, ctx, tables;
+        # each 64-byte aligned so every captured size uses the same kernel specialisation.
+        stride = -(-b // 16) * 16
+        self._off = {name: i * stride for i, name in enumerate(("ids", "pos", "slots", "q_start", "q_len", "ctx"))}
+        self._off["tables"] = 6 * stride
+        n = 6 * stride + b * w
         self.host_t = torch.zeros(n, dtype=torch.int32).pin_memory()
         self.host = self.host_t.numpy()
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)

@@ -192,7 +192,7 @@ class ModelRunner:
         """Move one step's arrays to the device in a single copy and build the metadata."""
         tile_q = getattr(self.backend, "tile_q", None)
         tiles = np.zeros((2, 0), dtype=np.int64)
-        tq = 0
+        tq = num_tiles = 0
         if tile_q is not None:
             tq = tile_q(self.model.shape.num_heads // self.model.shape.num_kv_heads)
             lens = arrays["q_len"][num_decode:]
@@ -200,20 +200,31 @@ class ModelRunner:
             seqs = np.repeat(np.arange(num_decode, num_decode + len(lens)), counts)
             first = np.zeros(len(counts), dtype=np.int64)
             np.cumsum(counts[:-1], out=first[1:])
-            within = np.arange(int(counts.sum())) - np.repeat(first, counts)
-            tiles = np.stack([seqs, within * tq])
+            num_tiles = int(counts.sum())
+            within = np.arange(num_tiles) - np.repeat(first, counts)
+            tiles = np.zeros((2, -(-len(seqs) // 16) * 16), dtype=np.int64)  # rows 64-byte aligned
+            tiles[0, : len(seqs)] = seqs
+            tiles[1, : len(seqs)] = within * tq
         parts = [arrays[k].astype(np.int32, copy=False).ravel()
                  for k in ("ids", "positions", "slots", "q_start", "q_len", "ctx_len", "tables")]
         parts.append(tiles.astype(np.int32).ravel())
+        # Each field starts on a 64-byte boundary: Triton specialises kernels on pointer
+        # alignment, and unaligned views would compile a new variant for every batch shape.
         sizes = [len(p) for p in parts]
-        flat = torch.from_numpy(np.concatenate(parts))
+        padded = [-(-n // 16) * 16 for n in sizes]
+        host = np.zeros(sum(padded), dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(padded)[:-1]])
+        for off, part in zip(offsets, parts, strict=True):
+            host[off : off + len(part)] = part
+        flat = torch.from_numpy(host)
         if self.device.type == "cuda":
             flat = flat.pin_memory().to(self.device, non_blocking=True)
-        ids, pos, slots, q_start, q_len, ctx, tables, tiles_t = flat.split(sizes)
+        ids, pos, slots, q_start, q_len, ctx, tables, tiles_t = (
+            flat[off : off + n] for off, n in zip(offsets.tolist(), sizes, strict=True))
         meta = AttentionMetadata(
             slot_mapping=slots, num_decode=num_decode,
             block_tables=tables.view(arrays["tables"].shape), q_start=q_start, q_len=q_len,
-            ctx_len=ctx, prefill_tiles=tiles_t.view(2, -1), prefill_tile_q=tq,
+            ctx_len=ctx, prefill_tiles=tiles_t.view(2, -1), num_prefill_tiles=num_tiles, prefill_tile_q=tq,
             host_q_start=arrays["q_start"], host_q_len=arrays["q_len"],
             host_ctx_len=arrays["ctx_len"],
         )
