@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.model_executor.layers import fused_ops
+
 
 def rope_parameters(config) -> dict:
     """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x
@@ -57,7 +59,10 @@ class RotaryEmbedding(nn.Module):
         self.sin = (freqs.sin() * scale).to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
+        if fused_ops.available(q):
+            fused_ops.rotary_(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

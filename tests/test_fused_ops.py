@@ -1,0 +1,74 @@
+"""Fused CUDA kernels against the PyTorch expressions they replace. GPU-marked; with
+TRITON_INTERPRET=1 and Triton installed they can also be checked on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from pagedllm.model_executor.layers import fused_ops  # noqa: E402
+from pagedllm.model_executor.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEV == "cuda" else [torch.float32]
+
+
+def _ref_rms(x, w, eps, residual=None):
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return w * h, x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576, 4096])
+def test_rms_norm_with_and_without_residual(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g).to(DEV, dtype)
+    r = torch.randn(9, n, generator=g).to(DEV, dtype)
+    w = torch.randn(n, generator=g).to(DEV, dtype)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    ref_y, ref_r = _ref_rms(x, w, 1e-6, r)
+    r2 = r.clone()
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6, r2), ref_y, **tol)
+    torch.testing.assert_close(r2, ref_r, **tol)
+    torch.testing.assert_close(fused_ops.rms_norm(x, w, 1e-6), _ref_rms(x, w, 1e-6)[0], **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,dim,rot", [(32, 32, 128, 128), (16, 8, 128, 128), (9, 3, 64, 64), (4, 2, 64, 32)])
+def test_rotary_in_place_matches_reference(dtype, hq, hkv, dim, rot):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=hq * dim, num_attention_heads=hq, rope_theta=10000.0)
+    emb = RotaryEmbedding(cfg, dim, rot, 512)
+    emb.build_tables(torch.device(DEV))
+    t = 11
+    qkv = torch.randn(t, (hq + 2 * hkv) * dim).to(DEV, dtype)
+    q = qkv[:, : hq * dim].view(t, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(t, hkv, dim)
+    pos = torch.randint(0, 512, (t,), dtype=torch.int32).to(DEV)
+    cos, sin = emb.cos[pos.long()].unsqueeze(1), emb.sin[pos.long()].unsqueeze(1)
+    ref_q, ref_k = emb._rotate(q.clone(), cos, sin), emb._rotate(k.clone(), cos, sin)
+    fused_ops.rotary_(q, k, pos, emb.cos, emb.sin)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [40, 1536, 11008])
+def test_silu_and_mul(dtype, n):
+    x = torch.randn(5, 2 * n).to(DEV, dtype)
+    ref = F.silu(x[:, :n].float()).to(dtype) * x[:, n:]
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_ops.silu_and_mul(x), ref, **tol)
