@@ -11,6 +11,7 @@ import argparse
 from collections.abc import Callable
 
 from pagedllm import __version__
+from pagedllm.entrypoints.bench import add_bench_parser
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 from pagedllm.entrypoints.plan import add_plan_parser
 
@@ -31,6 +32,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 SUBCOMMANDS: list[Callable[..., argparse.ArgumentParser | None]] = [add_serve_parser,
+                                                                     add_bench_parser,
                                                                      add_plan_parser]
 
 

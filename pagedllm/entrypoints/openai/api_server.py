@@ -36,6 +36,13 @@ from .cli_args import (
     make_arg_parser,
     resolve_api_key,
 )
+from .metrics_routes import (
+    DASHBOARD_PATH,
+    METRICS_PATHS,
+    add_metrics_routes,
+    engine_sampler,
+    sampling,
+)
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,20 +59,22 @@ from .serving_engine import APIError, OpenAIServing
 
 logger = logging.getLogger("pagedllm.server")
 
-# Liveness probes work without the key.
-OPEN_PATHS = frozenset({"/health", "/version"})
+# Liveness probes work without the key, and so does the dashboard's page (a static file;
+# its data follows the metrics' rule).
+OPEN_PATHS = frozenset({"/health", "/version", DASHBOARD_PATH})
 
 
 class APIKeyMiddleware:
     """Rejects requests without `Authorization: Bearer <key>` before any body is read.
     Plain ASGI (not BaseHTTPMiddleware) so streaming and disconnects pass through untouched."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
         self.expected = api_key.encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             # Constant time, so the key cannot be guessed byte by byte from response times.
             ok = hmac.compare_digest(token.strip().encode(), self.expected)
@@ -143,14 +152,19 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
 
 
 def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
-    """The FastAPI app over a running engine. `chat_template` is the template text."""
-    app = FastAPI(title="pagedllm", version=__version__)
+              chat_template: str | None = None, metrics_require_api_key: bool = False) -> FastAPI:
+    """The FastAPI app over a running engine. `chat_template` is the template text. While
+    the app runs, a background task samples the engine once a second for /dashboard."""
+    sampler = engine_sampler(engine, config.model_name)
+    app = FastAPI(title="pagedllm", version=__version__,
+                  lifespan=lambda _app: sampling(sampler))
     base = OpenAIServing(engine, config, chat_template)
     completions = OpenAIServingCompletion(engine, config, chat_template)
     chat = OpenAIServingChat(engine, config, chat_template)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        open_paths = OPEN_PATHS if metrics_require_api_key else OPEN_PATHS | METRICS_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    add_metrics_routes(app, engine, sampler)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -223,7 +237,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = N
 
 
 def startup_banner(engine: AsyncEngine, config: EngineConfig, names: list[str], host: str,
-                   port: int, api_key: bool) -> str:
+                   port: int, api_key: bool, metrics_key: bool = False) -> str:
     """What an operator tunes by: the model, the KV pool and the token budget."""
     d = engine.engine.describe()
     shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
@@ -240,6 +254,9 @@ def startup_banner(engine: AsyncEngine, config: EngineConfig, names: list[str], 
         f"{'on' if d.get('prefix_caching') else 'off'}",
         f"  API          http://{shown_host}:{port}/v1 (listening on {host}:{port}"
         f"{', API key required' if api_key else ''})",
+        f"  monitoring   http://{shown_host}:{port}/metrics (Prometheus), "
+        f"http://{shown_host}:{port}/dashboard"
+        f"{' (API key required)' if api_key and metrics_key else ''}",
     ])
 
 
@@ -256,9 +273,11 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"pagedllm: cannot start: {e}") from None
     try:
         api_key = resolve_api_key(args)
-        app = build_app(engine, config, api_key=api_key, chat_template=chat_template)
+        app = build_app(engine, config, api_key=api_key, chat_template=chat_template,
+                        metrics_require_api_key=args.metrics_require_api_key)
         names = OpenAIServing(engine, config).served_names
-        print(startup_banner(engine, config, names, args.host, args.port, bool(api_key)), flush=True)
+        print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
+                             args.metrics_require_api_key), flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=5)
     finally:

@@ -93,6 +93,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    s.add_argument("--metrics-require-api-key", action="store_true",
+                   help="require the API key for /metrics and the dashboard's data too "
+                   "(default: open, like /health, so scrapers need no key)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: info)")
     return p

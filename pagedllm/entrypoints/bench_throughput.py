@@ -1,0 +1,387 @@
+"""`pagedllm bench throughput`: offline throughput, the method of `vllm bench throughput`.
+
+All requests are submitted at once with `ignore_eos`, each generates exactly its output
+length, and the figure is output tokens per second of wall time for the whole workload.
+Model load is excluded; one small untimed warm-up (other random prompts, so the prefix
+cache gains nothing from it) runs first. `--backend both` runs the HF transformers
+baseline on the same token ids in the same process and reports the ratio, because the
+machines are shared and only a same-run ratio is comparable across days.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+
+from pagedllm.entrypoints.bench_report import args_dict, environment, write_json
+from pagedllm.entrypoints.bench_roofline import (
+    H200_BANDWIDTH_TBPS,
+    H200_MATMUL_TFLOPS,
+    roofline,
+)
+from pagedllm.entrypoints.bench_workloads import (
+    WORKLOADS,
+    RandomDataset,
+    Workload,
+    length_range,
+    random_dataset,
+    write_arch_config,
+)
+
+T = TypeVar("T")
+
+DEFAULT_NUM_PROMPTS = 64
+DEFAULT_INPUT_LEN = 256
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_HF_BATCH_SIZE = 16
+WARMUP_PROMPT_LEN = 16
+
+
+def add_throughput_args(p: argparse.ArgumentParser) -> None:
+    """Flags of `bench throughput`. Unset workload flags take the `--workload` preset's value."""
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=sorted(WORKLOADS),
+                   help="a preset of BENCHMARKS.md (model shape, dtype, requests, lengths, HF "
+                        "batch size); flags given explicitly override it")
+    w.add_argument("--num-prompts", type=int, help=f"requests (default {DEFAULT_NUM_PROMPTS})")
+    w.add_argument("--input-len", type=int, help=f"prompt tokens (default {DEFAULT_INPUT_LEN})")
+    w.add_argument("--output-len", type=int,
+                   help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN})")
+    w.add_argument("--range-ratio", type=float,
+                   help="lengths uniform in [len*(1-r), len*(1+r)] (default 0)")
+    w.add_argument("--seed", type=int, default=0, help="dataset and sampling seed")
+    w.add_argument("--temperature", type=float, default=1.0,
+                   help="1.0 samples from the full distribution as vllm bench does; 0 = greedy")
+    w.add_argument("--warmup", type=int, default=8,
+                   help="output tokens of the untimed warm-up requests (0: no warm-up)")
+    w.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per backend; figures are the median (on CPU the backends' "
+                        "runs alternate)")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="HF directory, .gguf file, or (with --load-format dummy) a "
+                                   "directory holding config.json; default: SmolLM2-135M GGUF")
+    m.add_argument("--load-format", choices=["auto", "safetensors", "pt", "gguf", "dummy"])
+    m.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    m.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda when available)")
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", "--max-context-length", dest="max_model_len", type=int)
+    e.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs", type=int,
+                   default=256)
+    e.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch",
+                   dest="max_num_batched_tokens", type=int)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-kv-blocks", type=int)
+    e.add_argument("--kv-cache-memory", help="CPU KV pool, e.g. 4GiB")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--disable-detokenize", action="store_true",
+                   help="skip incremental detokenization (always skipped without a tokenizer)")
+
+    b = p.add_argument_group("backends")
+    b.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
+                   help="both: engine and HF baseline in one process, with their ratio")
+    b.add_argument("--hf-batch-size", type=int, help="static batch size of the HF baseline")
+    b.add_argument("--hf-static-cache", action="store_true",
+                   help="HF with cache_implementation='static' (torch.compile'd on CUDA)")
+    b.add_argument("--peak-bandwidth", type=float,
+                   help="memory bandwidth in TB/s for the roofline (default: H200's on CUDA)")
+    b.add_argument("--peak-tflops", type=float,
+                   help="matmul TFLOP/s for the roofline (default: H200's on CUDA)")
+    p.add_argument("--output-json", help="write the result here")
+
+
+@dataclass
+class ThroughputConfig:
+    """The arguments with the preset and the defaults applied: what the run really used."""
+
+    workload: str | None
+    model: str | None
+    load_format: str
+    dtype: str
+    num_prompts: int
+    input_range: tuple[int, int]
+    output_range: tuple[int, int]
+    hf_batch_size: int
+
+
+def _given(value: T | None, fallback: T) -> T:
+    return fallback if value is None else value
+
+
+def resolve_config(args: argparse.Namespace) -> ThroughputConfig:
+    """Explicit flags win, then the `--workload` preset, then the defaults. `--range-ratio`
+    applies to the lengths given by flag (a preset's ranges are already ranges)."""
+    ratio = args.range_ratio or 0.0
+    base = WORKLOADS[args.workload] if args.workload else Workload(
+        "custom", None, "auto", "auto", DEFAULT_NUM_PROMPTS,
+        length_range(DEFAULT_INPUT_LEN, ratio), length_range(DEFAULT_OUTPUT_LEN, ratio),
+        DEFAULT_HF_BATCH_SIZE, DEFAULT_HF_BATCH_SIZE)
+    model = args.model
+    if model is None and base.arch_config is not None:
+        model = write_arch_config(base.arch_config)
+    hf_batch = base.hf_static_batch_size if args.hf_static_cache else base.hf_batch_size
+    return ThroughputConfig(
+        workload=args.workload,
+        model=model,
+        load_format=_given(args.load_format, base.load_format),
+        dtype=_given(args.dtype, base.dtype),
+        num_prompts=_given(args.num_prompts, base.num_prompts),
+        input_range=(length_range(args.input_len, ratio) if args.input_len is not None
+                     else base.input_range),
+        output_range=(length_range(args.output_len, ratio) if args.output_len is not None
+                      else base.output_range),
+        hf_batch_size=_given(args.hf_batch_size, hf_batch),
+    )
+
+
+def figures(elapsed_s: float, data: RandomDataset) -> dict:
+    n_in, n_out = data.num_prompt_tokens, data.num_output_tokens
+    return {
+        "elapsed_s": round(elapsed_s, 4),
+        "num_requests": len(data),
+        "prompt_tokens": n_in,
+        "output_tokens": n_out,
+        "requests_per_s": round(len(data) / elapsed_s, 4),
+        "total_tokens_per_s": round((n_in + n_out) / elapsed_s, 2),
+        "output_tokens_per_s": round(n_out / elapsed_s, 2),
+    }
+
+
+def _has_tokenizer(cfg: ThroughputConfig) -> bool:
+    """Random-weight and tokenizer-less checkpoints run without detokenization."""
+    from pagedllm.model_executor.loader.loader import resolve_source
+
+    source = resolve_source(cfg.model, cfg.load_format)
+    if source.load_format == "dummy":
+        return False
+    return source.kind == "gguf" or any(
+        os.path.exists(os.path.join(source.path, f))
+        for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json"))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Backend(Protocol):
+    """What the timing loop needs of the engine and of the HF baseline alike."""
+
+    name: str
+
+    def warmup(self, data: RandomDataset) -> None: ...
+
+    def run(self, data: RandomDataset) -> float: ...
+
+    def info(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class EngineBackend:
+    """pagedllm through the offline `LLM` API: every request submitted in one `generate`."""
+
+    name = "pagedllm"
+
+    def __init__(self, args: argparse.Namespace, cfg: ThroughputConfig):
+        from pagedllm import LLM
+
+        kwargs: dict = {
+            "load_format": cfg.load_format, "dtype": cfg.dtype, "seed": args.seed,
+            "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "enable_prefix_caching": args.enable_prefix_caching, "device": args.device,
+            "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
+        }
+        if args.kv_cache_memory is not None:
+            kwargs["kv_cache_memory"] = args.kv_cache_memory
+        self.llm = LLM(model=cfg.model, **kwargs)
+        self.temperature = args.temperature
+        self.device = self.llm.engine.runner.device
+
+    def _generate(self, data: RandomDataset) -> int:
+        from pagedllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=self.temperature,
+                                 top_p=1.0) for n in data.output_lens]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in data.prompts], params)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def warmup(self, data: RandomDataset) -> None:
+        self._generate(data)
+
+    def run(self, data: RandomDataset) -> float:
+        """Seconds for the whole workload; the prefix cache starts empty each time, so a
+        repeat gains nothing from the run before it."""
+        self.llm.reset_prefix_cache()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        produced = self._generate(data)
+        _sync(self.device)
+        elapsed = time.perf_counter() - t0
+        if produced != data.num_output_tokens:
+            raise RuntimeError(f"engine produced {produced} tokens, expected {data.num_output_tokens}")
+        return elapsed
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        del self.llm  # frees the KV pool: the baseline needs the memory on GPU
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _load(name: str, args: argparse.Namespace, cfg: ThroughputConfig, data: RandomDataset,
+          vocab: int, device: torch.device, dtype: torch.dtype) -> tuple[Backend, dict]:
+    """Load and warm up one backend; returns it with its load and warm-up seconds."""
+    t0 = time.perf_counter()
+    backend: Backend
+    if name == "pagedllm":
+        backend = EngineBackend(args, cfg)
+        count = args.max_num_seqs
+    else:
+        from pagedllm.entrypoints.bench_hf import HFBackend, load_hf_model
+
+        model = load_hf_model(cfg.model, cfg.load_format, dtype, device, args.seed)
+        backend = HFBackend(model, cfg.hf_batch_size, args.hf_static_cache, args.temperature,
+                            args.seed)
+        backend.size_cache(data)
+        count = cfg.hf_batch_size
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.warmup > 0:
+        # Short prompts unrelated to the timed ones (seed + 1), a batch's worth.
+        backend.warmup(random_dataset(min(count, len(data)), (WARMUP_PROMPT_LEN,) * 2,
+                                      (args.warmup,) * 2, vocab, args.seed + 1))
+    _sync(device)
+    return backend, {"load_s": round(load_s, 2), "warmup_s": round(time.perf_counter() - t0, 2)}
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    """Load, warm up, time; print the figures and a table; return (and write) the result.
+
+    On CPU both backends stay loaded and their timed runs alternate, so that a shared,
+    noisy box slows both alike; on GPU they run one after the other, each with the memory.
+    """
+    from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+    from pagedllm.worker.model_runner import resolve_dtype
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    cfg = resolve_config(args)
+    if cfg.model is None:
+        from pagedllm.config import default_model_path
+
+        cfg.model = default_model_path()
+    hf_config = load_hf_config(resolve_source(cfg.model, cfg.load_format))
+    vocab = hf_config.vocab_size
+    data = random_dataset(cfg.num_prompts, cfg.input_range, cfg.output_range, vocab, args.seed)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(cfg.dtype, hf_config, device)
+    print(f"workload: {cfg.workload or 'custom'}, {len(data)} requests, input "
+          f"{cfg.input_range[0]}..{cfg.input_range[1]}, output {cfg.output_range[0]}.."
+          f"{cfg.output_range[1]} ({data.num_prompt_tokens} prompt / {data.num_output_tokens} "
+          f"output tokens), model {cfg.model} ({cfg.load_format}, {dtype})", flush=True)
+
+    names = ["pagedllm", "hf"] if args.backend == "both" else [args.backend]
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    extra: dict[str, dict] = {}
+    engine_info: dict | None = None
+
+    def timed(name: str, backend: Backend, i: int) -> None:
+        samples[name].append(backend.run(data))
+        f = figures(samples[name][-1], data)
+        print(f"{name} run {i + 1}/{args.repeats}: {f['elapsed_s']:.2f} s, "
+              f"{f['output_tokens_per_s']:.2f} output tokens/s", flush=True)
+
+    def done(name: str, backend: Backend) -> None:
+        nonlocal engine_info
+        if isinstance(backend, EngineBackend):
+            engine_info = backend.llm.engine.describe()
+        extra[name].update(backend.info())
+        backend.close()
+
+    if device.type == "cuda":
+        for name in names:
+            backend, extra[name] = _load(name, args, cfg, data, vocab, device, dtype)
+            for i in range(args.repeats):
+                timed(name, backend, i)
+            done(name, backend)
+    else:
+        loaded = {}
+        for name in names:
+            loaded[name], extra[name] = _load(name, args, cfg, data, vocab, device, dtype)
+        for i in range(args.repeats):
+            for name in names:
+                timed(name, loaded[name], i)
+        for name in names:
+            done(name, loaded[name])
+
+    results: dict[str, dict] = {}
+    for name in names:
+        runs = samples[name]
+        results[name] = {**figures(statistics.median(runs), data),
+                         "elapsed_s_runs": [round(t, 4) for t in runs], **extra[name]}
+    result: dict = {
+        "benchmark": "throughput",
+        "environment": environment(device),
+        "args": args_dict(args),
+        "workload": {
+            "name": cfg.workload, "model": cfg.model, "load_format": cfg.load_format,
+            "dtype": str(dtype).replace("torch.", ""), "num_prompts": len(data),
+            "input_len_range": list(cfg.input_range), "output_len_range": list(cfg.output_range),
+            "prompt_tokens": data.num_prompt_tokens, "output_tokens": data.num_output_tokens,
+            "seed": args.seed, "temperature": args.temperature,
+        },
+        "engine": engine_info,
+        "results": results,
+    }
+    if "pagedllm" in results and "hf" in results:
+        result["ratio"] = round(results["pagedllm"]["output_tokens_per_s"]
+                                / results["hf"]["output_tokens_per_s"], 3)
+    bw, tf = args.peak_bandwidth, args.peak_tflops
+    if device.type == "cuda":
+        bw, tf = bw or H200_BANDWIDTH_TBPS, tf or H200_MATMUL_TFLOPS
+    if bw and tf:
+        roof = roofline(hf_config, torch.finfo(dtype).bits // 8, [len(p) for p in data.prompts],
+                        data.output_lens, args.max_num_seqs, bw, tf)
+        if "pagedllm" in results:
+            roof["achieved_fraction"] = round(
+                results["pagedllm"]["output_tokens_per_s"] / roof["output_tokens_per_s"], 4)
+        result["roofline"] = roof
+    _print_table(result)
+    if args.output_json:
+        write_json(args.output_json, result)
+        print(f"wrote {args.output_json}")
+    return result
+
+
+def _print_table(result: dict) -> None:
+    rows = [("backend", "elapsed s", "req/s", "total tok/s", "output tok/s")]
+    for name, f in result["results"].items():
+        rows.append((name, f"{f['elapsed_s']:.2f}", f"{f['requests_per_s']:.2f}",
+                     f"{f['total_tokens_per_s']:.1f}", f"{f['output_tokens_per_s']:.1f}"))
+    if "roofline" in result:
+        r = result["roofline"]
+        rows.append(("roofline", f"{r['total_s']:.2f}", "", "", f"{r['output_tokens_per_s']:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    env = result["environment"]
+    print(f"\n{env['device_name']} | torch {env['torch']} | commit "
+          f"{(env['git'].get('short') or '?')}{' (dirty)' if env['git'].get('dirty') else ''}")
+    for r in rows:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    if "ratio" in result:
+        print(f"pagedllm / hf output tok/s: {result['ratio']:.2f}x")

@@ -1,0 +1,135 @@
+"""The benchmark workloads of BENCHMARKS.md and the random-token dataset they draw from.
+
+Prompts are random token ids (seed 0 by default) so that every backend, every machine and
+every run sees the very same requests; lengths are drawn uniformly from a closed range.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+# Architecture shapes of the GPU workloads, written as config.json for load_format="dummy"
+# (random weights: only shapes decide speed). Values follow the public model cards.
+LLAMA2_7B_CONFIG: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+QWEN3_0_6B_CONFIG: dict = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One named row of the BENCHMARKS.md table: what to load and which requests to send."""
+
+    name: str
+    arch_config: dict | None  # None: the default model (real weights)
+    load_format: str
+    dtype: str
+    num_prompts: int
+    input_range: tuple[int, int]  # inclusive
+    output_range: tuple[int, int]  # inclusive
+    hf_batch_size: int  # the HF baseline of BENCHMARKS.md for this workload
+    hf_static_batch_size: int  # same, with --hf-static-cache
+
+
+WORKLOADS: dict[str, Workload] = {
+    "gpu-7b": Workload("gpu-7b", LLAMA2_7B_CONFIG, "dummy", "bfloat16", 256,
+                       (256, 256), (256, 256), 64, 256),
+    "gpu-0.6b": Workload("gpu-0.6b", QWEN3_0_6B_CONFIG, "dummy", "bfloat16", 256,
+                         (100, 1024), (100, 1024), 256, 256),
+    "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
+                         (32, 256), (128, 128), 16, 16),
+}
+
+
+def write_arch_config(config: dict, directory: str | None = None) -> str:
+    """Write `config` as config.json in a (fresh temporary) directory; return the directory,
+    which both pagedllm (load_format="dummy") and HF `from_config` can read."""
+    if directory is None:
+        directory = tempfile.mkdtemp(prefix="pagedllm-bench-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return directory
+
+
+def length_range(length: int, range_ratio: float) -> tuple[int, int]:
+    """`--input-len 256 --range-ratio 0.5` -> (128, 384), as `vllm bench`'s random dataset."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    lo, hi = int(length * (1 - range_ratio)), int(length * (1 + range_ratio))
+    if lo < 1:
+        raise ValueError(f"length {length} with range ratio {range_ratio} allows empty requests")
+    return lo, hi
+
+
+@dataclass
+class RandomDataset:
+    """Requests as plain token ids and output lengths: what every backend consumes."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+def random_dataset(num_prompts: int, input_range: tuple[int, int], output_range: tuple[int, int],
+                   vocab_size: int, seed: int = 0) -> RandomDataset:
+    """Uniform lengths in the closed ranges, uniform token ids in [0, vocab_size)."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(input_range[0], input_range[1] + 1, size=num_prompts)
+    out_lens = rng.integers(output_range[0], output_range[1] + 1, size=num_prompts)
+    prompts = [rng.integers(0, vocab_size, size=int(n)).tolist() for n in in_lens]
+    return RandomDataset(prompts, [int(n) for n in out_lens])
