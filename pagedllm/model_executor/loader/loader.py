@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.model_executor.layers.quantization import QuantizedLinear, resolve_quant_config
 from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
 
@@ -76,21 +77,36 @@ def _hf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights with sane activations: matrices ~N(0, 0.02), norms 1, biases 0."""
+    """Random weights with sane activations: matrices ~N(0, 0.02), norms 1, biases 0.
+    Quantized layers get random packed words that dequantize to the same spread."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    dev_gen: torch.Generator | None = None
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     with torch.no_grad():
+        for name, m in model.named_modules():
+            if name in quantized:
+                m.fill_random(g)
+                m.finish_loading()
         for name, p in model.named_parameters():
+            if name.rpartition(".")[0] in quantized:
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02))
+                # Drawn on the parameter's device: a 7B model's worth of CPU randn takes a minute.
+                if dev_gen is None or dev_gen.device != p.device:
+                    dev_gen = torch.Generator(device=p.device).manual_seed(seed)
+                p.normal_(0.0, 0.02, generator=dev_gen)
 
 
 def load_model(source: ModelSource, hf_config, max_positions: int, backend, device: torch.device,
-               dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+               dtype: torch.dtype, seed: int = 0, quantization: str | None = None) -> torch.nn.Module:
+    """`quantization` is the user's setting: None detects it from the checkpoint; a value
+    that contradicts the checkpoint is an error (see resolve_quant_config)."""
     arch, cls = resolve_architecture(hf_config)
+    quant = resolve_quant_config(quantization, source.kind, source.load_format, source.path, hf_config)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -98,7 +114,7 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
         # overwritten by the checkpoint (load_weights checks none is missing), so random
         # initialisation would only cost seconds.
         with torch.device("meta"):
-            model = cls(hf_config, arch, max_positions, backend)
+            model = cls(hf_config, arch, max_positions, backend, **({"quant": quant} if quant else {}))
     finally:
         torch.set_default_dtype(prev)
     model = model.to_empty(device=device)

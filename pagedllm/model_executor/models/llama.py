@@ -16,14 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.model_executor.layers import fused_ops
 from pagedllm.model_executor.layers.norm import RMSNorm
+from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
 from pagedllm.model_executor.layers.rotary import RotaryEmbedding
 
 
 class ModelShape:
     """The numbers a decoder layer needs, read once from a transformers config."""
 
-    def __init__(self, config, architecture: str):
+    def __init__(self, config, architecture: str, quant: QuantConfig | None = None):
+        self.quant = quant  # None: float linear layers
         self.hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -66,16 +69,27 @@ class MergedLinear(nn.Linear):
         target.data[start : start + size].copy_(tensor)
 
 
+def make_linear(in_features: int, out: int | dict[str, int], bias: bool,
+                quant: QuantConfig | None) -> nn.Module:
+    """A float layer, or the packed GPTQ/AWQ layer when the checkpoint is quantized; `out`
+    as a dict builds a fused layer from those shards."""
+    if quant is not None:
+        return QuantizedLinear(in_features, out if isinstance(out, dict) else {None: out}, bias, quant)
+    if isinstance(out, dict):
+        return MergedLinear(in_features, out, bias)
+    return nn.Linear(in_features, out, bias=bias)
+
+
 class Attention(nn.Module):
     def __init__(self, s: ModelShape, rotary: RotaryEmbedding, backend):
         super().__init__()
         self.s = s
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
-        self.qkv_proj = MergedLinear(
-            s.hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, s.qkv_bias
+        self.qkv_proj = make_linear(
+            s.hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, s.qkv_bias, s.quant
         )
-        self.o_proj = nn.Linear(self.q_size, s.hidden, bias=s.o_bias)
+        self.o_proj = make_linear(self.q_size, s.hidden, s.o_bias, s.quant)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.eps)
             self.k_norm = RMSNorm(s.head_dim, s.eps)
@@ -101,11 +115,15 @@ class MLP(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.inter = s.intermediate
-        self.gate_up_proj = MergedLinear(s.hidden, {"gate": s.intermediate, "up": s.intermediate}, s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=s.mlp_bias)
+        self.gate_up_proj = make_linear(s.hidden, {"gate": s.intermediate, "up": s.intermediate},
+                                        s.mlp_bias, s.quant)
+        self.down_proj = make_linear(s.intermediate, s.hidden, s.mlp_bias, s.quant)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_ops.available(gate_up):
+            return self.down_proj(fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -156,25 +174,28 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", "up"),
     }
 
-    def __init__(self, config, architecture: str, max_positions: int, backend):
+    def __init__(self, config, architecture: str, max_positions: int, backend,
+                 quant: QuantConfig | None = None):
         super().__init__()
-        self.shape = s = ModelShape(config, architecture)
+        self.shape = s = ModelShape(config, architecture, quant)
         rotary = RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions)
         self.model = DecoderModel(s, rotary, backend)
         self.rotary = rotary  # registered once, shared by every layer
         if not s.tie_embeddings:
-            self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+            self.lm_head = make_linear(s.hidden, s.vocab, False, quant if quant and quant.lm_head else None)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.shape.tie_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.shape.tie_embeddings:
+            return F.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
         """Fill parameters from (checkpoint name, tensor) pairs in HF naming."""
         params = dict(self.named_parameters())
+        quantized = {n: m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -190,6 +211,10 @@ class LlamaForCausalLM(nn.Module):
                     loaded.add(f"{target}#{shard}")
                     break
             else:
+                module_name, _, param_name = name.rpartition(".")
+                if isinstance(quantized.get(module_name), QuantizedLinear):
+                    quantized[module_name].load_shard(param_name, None, tensor)
+                    continue
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
                 p = params[name]
@@ -198,7 +223,11 @@ class LlamaForCausalLM(nn.Module):
                 p.data.copy_(tensor)
                 loaded.add(name)
         missing = []
+        for module in quantized.values():
+            module.finish_loading()  # checks its own tensors: their names are the checkpoint's
         for name, module in self.named_modules():
+            if isinstance(module, QuantizedLinear):
+                continue
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}"
                 if isinstance(module, MergedLinear):

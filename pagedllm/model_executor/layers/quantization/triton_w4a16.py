@@ -1,0 +1,234 @@
+"""Triton GEMM for GPTQ/AWQ weights: float activations x packed 4-bit (or 2/8-bit) weights.
+
+`out[M, N] = x[M, K] @ W[K, N]` where W is never materialised in memory: each program
+loads the int32 words of its weight tile once, shifts the values out, subtracts the
+group's zero point, multiplies by the group's scale (in float32) and feeds the result to
+`tl.dot`. So the weights stay packed in GPU memory, and decode, which is bound by reading
+the weights, moves about a quarter of the bytes of bf16.
+
+Layout: qweight is in the tiled layout of packing.tile_rows (K padded to a multiple of
+TILE_K = 16 * values-per-word; value j of each word of a tile is a "plane" of 16
+consecutive input rows), so a plane is one shift and mask of the loaded words and meets 16
+consecutive activation columns. qzeros [G, N/pack] int32 packed along N; scales [G, N]
+fp16; row k belongs to group k // group_size (act-order checkpoints were sorted at load,
+and `perm` gathers the activation columns to match).
+
+Robustness over cleverness: one kernel, plain loads and `tl.dot`, no autotuning (block
+sizes come from a small table), no TMA or warp specialisation. Small M is split along K
+so that a decode step still puts every SM to work; the partial sums are added in float32.
+
+This module imports triton at the top: import it only when a CUDA tensor needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dequant(qw, shift, z, s, BITS: tl.constexpr):
+    """Shifted-out values -> float32 weights, (q - z) * s. q becomes a float without an
+    int-to-float conversion (a slow instruction): placed under 2^23's exponent, its bits
+    read as the float 2^23 + q exactly."""
+    q = ((qw >> shift) & ((1 << BITS) - 1)) | 0x4B000000
+    return (q.to(tl.float32, bitcast=True) - (8388608.0 + z)) * s
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg, stride_zn,
+                  BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+    """Scales and zero points (float32, [BLOCK_N]) of group g."""
+    PACK: tl.constexpr = 32 // BITS
+    s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask, other=0.0).to(tl.float32)
+    zw = tl.load(z_ptr + g * stride_zg + (offs_n // PACK) * stride_zn, mask=mask, other=0)
+    z = ((zw >> ((offs_n % PACK) * BITS)) & ((1 << BITS) - 1)) + ZERO_OFFSET
+    return s, z.to(tl.float32)
+
+
+@triton.jit
+def _wna16_gemv(
+    a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr,
+    M, N, K, K_PER_SPLIT, group_size,
+    stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+    stride_cs, stride_cm, stride_cn,
+    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One row (batch-1 decode): no tensor cores, so no operand shuffles through shared
+    memory. Each plane of 16 rows is dequantized in registers and multiplied into a
+    [16, BLOCK_N] float32 accumulator of the same layout, reduced once at the end."""
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = 16
+    TILE_K: tl.constexpr = ROWS * PACK
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    # Loop bounds independent of program_id (Triton's CPU interpreter needs that); the
+    # last split's tiles past K are masked out, scales and zeros included.
+    for k_step in range(0, K_PER_SPLIT, TILE_K):
+        k0 = pid_k * K_PER_SPLIT + k_step
+        qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                     mask=(k0 < K) & n_mask[None, :], other=0)
+        for j in tl.static_range(PACK):
+            kj = k0 + j * ROWS  # value j of the tile's words: rows kj .. kj + 15
+            offs_k = kj + offs_r
+            k_mask = offs_k < K
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+            else:
+                cols = offs_k
+            a = tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
+            # 16 | group_size (or a single group): the plane lies in one group.
+            s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
+                                 stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+            acc += a[:, None] * _dequant(qw, j * BITS, z[None, :], s[None, :], BITS)
+    out = tl.sum(acc, axis=0)
+    tl.store(c_ptr + pid_k * stride_cs + offs_n * stride_cn, out.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _sum_splits(p_ptr, c_ptr, numel, SPLIT, BLOCK: tl.constexpr):
+    """out = sum of the split-K partials (float32), cast to the output dtype: one launch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(0, SPLIT):
+        acc += tl.load(p_ptr + i * numel + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _wna16_gemm(
+    a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr,
+    M, N, K, K_PER_SPLIT, group_size,
+    stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
+    stride_cs, stride_cm, stride_cn,
+    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Many rows (prefill): a [BLOCK_K, BLOCK_N] weight tile is dequantized and fed to one
+    tl.dot. Each word is loaded by every row it holds (the repeats hit L1); BLOCK_K
+    divides the group size, so the tile has one scale and zero point per column."""
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = 16
+    TILE_K: tl.constexpr = ROWS * PACK
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
+        k0 = pid_k * K_PER_SPLIT + k_step
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            cols = offs_k
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + cols[None, :] * stride_ak,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        # Tiled layout: row k is value (k % TILE_K) // 16 of word (k // TILE_K) * 16 + k % 16.
+        words = (offs_k // TILE_K) * ROWS + offs_k % ROWS
+        qw = tl.load(qw_ptr + words[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                     mask=k_mask[:, None] & n_mask[None, :], other=0)
+        s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
+                             stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+        w = _dequant(qw, ((offs_k % TILE_K) // ROWS * BITS)[:, None], z[None, :], s[None, :], BITS)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w.to(a.dtype))
+    c = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def tile_k_for(bits: int) -> int:
+    """Input rows per kernel tile: one 16-row plane per value in a word."""
+    return 16 * (32 // bits)
+
+
+def supports(in_features: int, group_size: int, bits: int) -> bool:
+    """A 16-row plane must lie in one group."""
+    return group_size % 16 == 0 or group_size >= in_features
+
+
+def _block_k(group_size: int, k: int, bits: int) -> int:
+    """GEMM K tile: divides the group (one scale row per tile) and the kernel's layout tile."""
+    g = group_size if group_size < k else tile_k_for(bits)
+    for bk in (128, 64, 32, 16):
+        if g % bk == 0 and tile_k_for(bits) % bk == 0:
+            return bk
+    return 16
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int) -> dict:
+    """Kernel, block sizes and K split for one problem (a fixed table; no autotuning)."""
+    if m == 1:
+        bm, bn, warps, stages, bk, programs = 1, 128, 4, 3, tile_k_for(bits), 4 * num_sms
+    else:
+        bm, bn, warps, stages = (16, 64, 4, 3) if m <= 16 else (32, 64, 4, 3) if m <= 64 else (64, 128, 4, 3)
+        bk, programs = min(_block_k(group_size, k, bits), 64 if m > 64 else 128), 2 * num_sms
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    # Enough programs to keep every SM's memory pipe full, at least two K tiles each.
+    split = max(1, min(triton.cdiv(programs, tiles), k // (2 * bk)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k_for(bits)) * tile_k_for(bits)
+    return dict(gemv=m == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                num_stages=stages, split=triton.cdiv(k, k_per_split), k_per_split=k_per_split)
+
+
+def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+                 perm: torch.Tensor | None, group_size: int, bits: int, zero_offset: int,
+                 config: dict | None = None) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) @ dequant(qweight) -> [M, N] in x's dtype. `qweight` is
+    in the tiled layout (packing.tile_rows): K padded to a multiple of tile_k_for(bits)."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    tile_k = tile_k_for(bits)
+    if qweight.shape[0] * (32 // bits) != triton.cdiv(k, tile_k) * tile_k:
+        raise ValueError(f"x has {k} features: qweight is not the tiled layout of that many rows")
+    if not supports(k, group_size, bits):
+        raise ValueError(f"group size {group_size} is not a multiple of 16")
+    if m == 0:
+        return x.new_empty(0, n)
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 8  # CPU: Triton's interpreter (tests)
+    cfg = config or pick_config(m, n, k, group_size, bits, sms)
+    split = cfg["split"]
+    if split == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out_strides = (0, out.stride(0), out.stride(1))
+    else:
+        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        out_strides = out.stride()
+    args = (x, qweight, scales, qzeros, perm if perm is not None else qweight, out,
+            m, n, k, cfg["k_per_split"], group_size,
+            x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
+            scales.stride(0), scales.stride(1), qzeros.stride(0), qzeros.stride(1), *out_strides)
+    common = dict(BITS=bits, ZERO_OFFSET=zero_offset, HAS_PERM=perm is not None, BLOCK_N=cfg["BLOCK_N"],
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["gemv"]:
+        if m != 1:
+            raise ValueError("the GEMV kernel takes one row")
+        _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, **common)
+    else:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+        _wna16_gemm[grid](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
+                          BLOCK_K=cfg["BLOCK_K"], **common)
+    if split == 1:
+        return out
+    result = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _sum_splits[(triton.cdiv(m * n, 1024),)](out, result, m * n, split, BLOCK=1024)
+    return result
