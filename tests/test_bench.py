@@ -129,7 +129,7 @@ def test_throughput_on_dummy_weights_writes_exact_counts(tmp_path):
 def test_both_backends_run_the_same_workload(tiny_models, tmp_path):
     path, _ = tiny_models("llama")
     out = tmp_path / "both.json"
-    args = _parse("--model", path, "--backend", "both", "--num-prompts", "6",
+    args = _parse("--model", path, "--backend", "both", "--num-prompts", "6", "--repeats", "2",
                   "--input-len", "10", "--output-len", "6", "--range-ratio", "0.5",
                   "--hf-batch-size", "4", "--temperature", "0", "--warmup", "1",
                   "--device", "cpu", "--output-json", str(out))
@@ -137,9 +137,10 @@ def test_both_backends_run_the_same_workload(tiny_models, tmp_path):
     ours, hf = result["results"]["pagedllm"], result["results"]["hf"]
     assert ours["output_tokens"] == hf["output_tokens"] == result["workload"]["output_tokens"]
     assert ours["prompt_tokens"] == hf["prompt_tokens"]
+    assert len(ours["elapsed_s_runs"]) == len(hf["elapsed_s_runs"]) == 2
     # A static batch runs to its longest request: never fewer tokens than were asked for.
     assert hf["generated_tokens"] >= hf["output_tokens"]
-    assert hf["batch_size"] == 4 and hf["static_cache"] is False
+    assert hf["batch_size"] == 4 and hf["static_cache"] is False and hf["dtype"] == "float32"
     assert result["ratio"] == pytest.approx(
         ours["output_tokens_per_s"] / hf["output_tokens_per_s"], rel=1e-2)
 

@@ -124,3 +124,19 @@ def test_max_tokens_none_runs_to_context_limit(tiny_models):
     assert out.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="context length"):
         llm.generate([{"prompt_token_ids": list(range(30))}])
+
+
+def test_sampler_draws_follow_the_distribution():
+    """Frequencies over many rows match the softmax; masked tokens are never drawn."""
+    import torch
+
+    from pagedllm.model_executor.layers.sampler import Sampler, SamplingBatch
+
+    n = 20000
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    logits = probs.log().repeat(n, 1)
+    sampler = Sampler(torch.Generator().manual_seed(1))
+    batch = SamplingBatch(temperature=torch.ones(n), generators=[None] * n, num_logprobs=[None] * n)
+    freq = torch.bincount(torch.tensor(sampler(logits, batch).token_ids), minlength=4).float() / n
+    assert freq[1] == 0
+    assert torch.allclose(freq, probs, atol=0.015)

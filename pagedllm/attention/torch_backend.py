@@ -42,9 +42,10 @@ class TorchPagedAttention:
         if nd:
             max_ctx = int(meta.host_ctx_len[:nd].max())
             nblk = -(-max_ctx // bs)
-            tables = meta.block_tables[:nd, :nblk].long()
-            kc = k_cache[tables].view(nd, nblk * bs, hkv, dim).transpose(1, 2)
-            vc = v_cache[tables].view(nd, nblk * bs, hkv, dim).transpose(1, 2)
+            tables = meta.block_tables[:nd, :nblk].reshape(-1).long()
+            # index_select gathers whole blocks ~2x faster than advanced indexing on CPU.
+            kc = k_cache.index_select(0, tables).view(nd, nblk * bs, hkv, dim).transpose(1, 2)
+            vc = v_cache.index_select(0, tables).view(nd, nblk * bs, hkv, dim).transpose(1, 2)
             pos = torch.arange(nblk * bs, device=q.device)
             mask = (pos[None, :] < meta.ctx_len[:nd, None])[:, None, None, :]
             o = F.scaled_dot_product_attention(

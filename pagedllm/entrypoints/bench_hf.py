@@ -144,7 +144,8 @@ class HFBackend:
         return elapsed
 
     def info(self) -> dict:
-        return {"batch_size": self.batch_size, "static_cache": self.static_cache,
+        return {"dtype": str(self.model.dtype).replace("torch.", ""),
+                "batch_size": self.batch_size, "static_cache": self.static_cache,
                 "compiled": self.compiled, "generated_tokens": self.generated_tokens}
 
     def close(self) -> None:

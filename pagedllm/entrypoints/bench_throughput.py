@@ -34,6 +34,8 @@ from pagedllm.entrypoints.bench_workloads import (
     random_dataset,
     write_arch_config,
 )
+from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.worker.model_runner import resolve_dtype
 
 T = TypeVar("T")
 
@@ -90,6 +92,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--backend", choices=["pagedllm", "hf", "both"], default="pagedllm",
                    help="both: engine and HF baseline in one process, with their ratio")
     b.add_argument("--hf-batch-size", type=int, help="static batch size of the HF baseline")
+    b.add_argument("--hf-dtype", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the HF baseline (default: the engine's)")
     b.add_argument("--hf-static-cache", action="store_true",
                    help="HF with cache_implementation='static' (torch.compile'd on CUDA)")
     b.add_argument("--peak-bandwidth", type=float,
@@ -158,8 +162,6 @@ def figures(elapsed_s: float, data: RandomDataset) -> dict:
 
 def _has_tokenizer(cfg: ThroughputConfig) -> bool:
     """Random-weight and tokenizer-less checkpoints run without detokenization."""
-    from pagedllm.model_executor.loader.loader import resolve_source
-
     source = resolve_source(cfg.model, cfg.load_format)
     if source.load_format == "dummy":
         return False
@@ -255,6 +257,8 @@ def _load(name: str, args: argparse.Namespace, cfg: ThroughputConfig, data: Rand
     else:
         from pagedllm.entrypoints.bench_hf import HFBackend, load_hf_model
 
+        if args.hf_dtype is not None:
+            dtype = resolve_dtype(args.hf_dtype, None, device)
         model = load_hf_model(cfg.model, cfg.load_format, dtype, device, args.seed)
         backend = HFBackend(model, cfg.hf_batch_size, args.hf_static_cache, args.temperature,
                             args.seed)
@@ -276,9 +280,6 @@ def run_throughput(args: argparse.Namespace) -> dict:
     On CPU both backends stay loaded and their timed runs alternate, so that a shared,
     noisy box slows both alike; on GPU they run one after the other, each with the memory.
     """
-    from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
-    from pagedllm.worker.model_runner import resolve_dtype
-
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     cfg = resolve_config(args)

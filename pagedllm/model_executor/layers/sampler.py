@@ -2,9 +2,9 @@
 
 Order (vLLM's): logit bias and min-token masking, penalties, then greedy rows take the
 argmax; the others are divided by temperature, cut by top-k / top-p / min-p and drawn by
-the exponential race (argmax of p / Exp(1) noise), which needs no cumulative sums and lets
-a seeded row draw its noise from its own generator. That is what makes a seeded request's
-output independent of whatever else shares the batch.
+inverse CDF with one uniform per row. A seeded row draws its uniform from its own
+generator: that is what makes a seeded request's output independent of whatever else
+shares the batch.
 
 Reported logprobs are those of the raw model distribution (before any processing).
 """
@@ -78,15 +78,14 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Ten
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None],
-                       default: torch.Generator | None) -> torch.Tensor:
-    q = torch.empty_like(probs)
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    if len(seeded) < probs.shape[0]:
-        q.exponential_(generator=default)
-    for i in seeded:
-        q[i].exponential_(generator=generators[i])
-    return q
+def _uniforms(n: int, generators: list[torch.Generator | None], default: torch.Generator | None,
+              device: torch.device) -> torch.Tensor:
+    """One uniform per row; a seeded row draws from its own generator."""
+    u = torch.rand(n, generator=default, device=device)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, generator=g, device=device)[0]
+    return u
 
 
 class Sampler:
@@ -108,9 +107,12 @@ class Sampler:
             greedy = b.temperature == 0
             temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)
             scaled = apply_top_k_top_p_min_p(logits / temp[:, None], b)
-            probs = scaled.softmax(-1)
-            q = _exponential_noise(probs, b.generators, self.generator)
-            drawn = (probs / q).argmax(-1)
+            # Inverse-CDF draw: one uniform per row (a full-vocabulary noise tensor per
+            # step costs more than the softmax itself on CPU).
+            cdf = scaled.softmax(-1).cumsum_(-1)
+            u = _uniforms(len(cdf), b.generators, self.generator, cdf.device) * cdf[:, -1]
+            # right=True: token i wins for cdf[i-1] <= u < cdf[i], never a zero-probability one.
+            drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
             sampled = torch.where(greedy, logits.argmax(-1), drawn)
 
         token_ids = sampled.tolist()
