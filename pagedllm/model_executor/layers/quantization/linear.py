@@ -5,7 +5,8 @@ engine's weight memory counts what really sits in memory. How they turn into a p
 depends on the device:
 
 - CUDA: a Triton kernel reads the packed words and dequantizes inside the GEMM, so the
-  weights stay 4-bit in GPU memory (triton_w4a16.py).
+  weights stay 4-bit in GPU memory (triton_w4a16.py). At load, qweight is re-packed once
+  into the kernel's tiled row order (packing.tile_rows), still 4 bits a value.
 - CPU: one dequantized float copy per layer, built once after loading and kept outside
   the parameters. CPU serving is the correctness path; a dequantize-per-call would be
   many times slower for no memory benefit that matters there.

@@ -1,21 +1,27 @@
-"""Triton GEMM for GPTQ/AWQ weights: float activations x packed 4-bit (or 2/8-bit) weights.
+"""Triton kernels for GPTQ/AWQ weights: float activations x packed 4-bit (or 2/8-bit) weights.
 
 `out[M, N] = x[M, K] @ W[K, N]` where W is never materialised in memory: each program
-loads the int32 words of its weight tile once, shifts the values out, subtracts the
-group's zero point, multiplies by the group's scale (in float32) and feeds the result to
-`tl.dot`. So the weights stay packed in GPU memory, and decode, which is bound by reading
-the weights, moves about a quarter of the bytes of bf16.
+loads the int32 words of its weight tile, shifts the values out, subtracts the group's
+zero point and multiplies by the group's scale in float32, in registers. So the weights
+stay packed in GPU memory, and decode, which is bound by reading the weights, has about a
+quarter of the bytes of bf16 to read.
+
+Two kernels share the layout:
+- `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
+  accumulator and reduces once at the end: no tensor cores, no operand shuffles.
+- `_wna16_gemm` (more rows) feeds a dequantized [BLOCK_K, BLOCK_N] tile to `tl.dot`.
+Small problems are split along K so that every SM has work; `_sum_splits` adds the
+float32 partials and casts in one launch.
 
 Layout: qweight is in the tiled layout of packing.tile_rows (K padded to a multiple of
 TILE_K = 16 * values-per-word; value j of each word of a tile is a "plane" of 16
-consecutive input rows), so a plane is one shift and mask of the loaded words and meets 16
-consecutive activation columns. qzeros [G, N/pack] int32 packed along N; scales [G, N]
-fp16; row k belongs to group k // group_size (act-order checkpoints were sorted at load,
-and `perm` gathers the activation columns to match).
+consecutive input rows). qzeros [G, N/pack] int32 packed along N; scales [G, N] fp16;
+row k belongs to group k // group_size (act-order checkpoints were sorted at load, and
+`perm` gathers the activation columns to match).
 
-Robustness over cleverness: one kernel, plain loads and `tl.dot`, no autotuning (block
-sizes come from a small table), no TMA or warp specialisation. Small M is split along K
-so that a decode step still puts every SM to work; the partial sums are added in float32.
+Robustness over cleverness: plain loads, arithmetic and `tl.dot`; no autotuning (block
+sizes come from a small table measured on an H200), no TMA, no warp specialisation, no
+inline assembly.
 
 This module imports triton at the top: import it only when a CUDA tensor needs it.
 """
@@ -178,7 +184,10 @@ def _num_sms(device_index: int) -> int:
 def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int) -> dict:
     """Kernel, block sizes and K split for one problem (a fixed table; no autotuning)."""
     if m == 1:
-        bm, bn, warps, stages, bk, programs = 1, 128, 4, 3, tile_k_for(bits), 4 * num_sms
+        # Measured on an H200 (benchmarks/quant_decode.py --sweep): wide blocks and about
+        # eight programs per SM for wide layers, narrower blocks and four for the rest.
+        bn = 256 if n >= 8192 else 128
+        bm, warps, stages, bk, programs = 1, 4, 3, tile_k_for(bits), (8 if bn == 256 else 4) * num_sms
     else:
         bm, bn, warps, stages = (16, 64, 4, 3) if m <= 16 else (32, 64, 4, 3) if m <= 64 else (64, 128, 4, 3)
         bk, programs = min(_block_k(group_size, k, bits), 64 if m > 64 else 128), 2 * num_sms
