@@ -1,9 +1,9 @@
 """Tokenizer loading and the incremental detokenizer.
 
 Tokenizers come from transformers (from the checkpoint directory, or built from GGUF
-metadata). Detokenization is incremental: each new token costs a decode of a few tokens,
-and text is released only once it is valid UTF-8 (a multi-byte character split over
-tokens is held back until complete).
+metadata), or for remote-code families from pagedllm.tokenizers. Detokenization is
+incremental: each new token costs a decode of a few tokens, and text is released only once
+it is valid UTF-8 (a multi-byte character split over tokens is held back until complete).
 """
 
 from __future__ import annotations
@@ -11,17 +11,22 @@ from __future__ import annotations
 import os
 
 from pagedllm.model_executor.loader.loader import ModelSource
+from pagedllm.tokenizers import load_family_tokenizer
 
 
 def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
     from transformers import AutoTokenizer
 
     if tokenizer_path:
+        if os.path.isdir(tokenizer_path) and (family := load_family_tokenizer(tokenizer_path)):
+            return family
         return AutoTokenizer.from_pretrained(tokenizer_path)
     if source.kind == "gguf":
         from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
 
         return gguf_tokenizer(source.path)
+    if (family := load_family_tokenizer(source.path)) is not None:
+        return family  # remote-code tokenizers (Qwen v1's tiktoken, ...), read as data
     if not any(
         os.path.exists(os.path.join(source.path, f))
         for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")

@@ -3,6 +3,9 @@
 Decode sequences are served together: their context is gathered from the block tables
 into one padded tensor and masked by length, so a decode step costs one SDPA call per
 layer whatever the batch size. Prefill chunks are served one by one (few per step).
+
+ALiBi models (Baichuan-13B) pass per-head slopes: the score of query i on key j gets
+-m_h * (i - j) added after the 1/sqrt(d) scaling.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 
 class TorchPagedAttention:
     name = "torch"
+    supports_alibi = True
     prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
 
     @staticmethod
@@ -33,6 +37,7 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        alibi_slopes: torch.Tensor | None = None,  # [Hq] float32, or None
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -48,6 +53,10 @@ class TorchPagedAttention:
             vc = v_cache.index_select(0, tables).view(nd, nblk * bs, hkv, dim).transpose(1, 2)
             pos = torch.arange(nblk * bs, device=q.device)
             mask = (pos[None, :] < meta.ctx_len[:nd, None])[:, None, None, :]
+            if alibi_slopes is not None:
+                dist = pos[None, :] - (meta.ctx_len[:nd, None] - 1)  # j - i, <= 0 where valid
+                bias = alibi_slopes[None, :, None, None] * dist[:, None, None, :].float()
+                mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa
             )
@@ -57,7 +66,22 @@ class TorchPagedAttention:
                                 int(meta.host_ctx_len[i]))
             rows = slice(start, start + qlen)
             qs = q[rows].transpose(0, 1).unsqueeze(0)
-            if ctx == qlen:  # nothing cached before: attend to this chunk only
+            if alibi_slopes is not None:
+                if ctx == qlen:
+                    ks = k[rows].transpose(0, 1).unsqueeze(0)
+                    vs = v[rows].transpose(0, 1).unsqueeze(0)
+                else:
+                    table = meta.block_tables[i, : -(-ctx // bs)].long()
+                    ks = k_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                    vs = v_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
+                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+                kpos = torch.arange(ctx, device=q.device)
+                dist = (kpos[None, :] - qpos[:, None]).float()
+                bias = alibi_slopes[:, None, None] * dist
+                bias = bias.masked_fill(dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=scale,
+                                                   enable_gqa=gqa)
+            elif ctx == qlen:  # nothing cached before: attend to this chunk only
                 ks = k[rows].transpose(0, 1).unsqueeze(0)
                 vs = v[rows].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,

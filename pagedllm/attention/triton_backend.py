@@ -9,6 +9,9 @@ masked by absolute position, so a prefill chunk sees its cached prefix and itsel
 Decodes use one query per tile (grid: sequences x KV heads); prefills use tiles of
 `BLOCK_M // group` queries. Nothing in a launch depends on host-side values other than
 the grid, which is what lets decode steps be captured in CUDA graphs.
+
+ALiBi models (Baichuan-13B) pass per-head slopes; the kernel adds -m_h * (i - j) to each
+score (ALIBI is a compile-time switch, so other models pay nothing).
 """
 
 from __future__ import annotations
@@ -36,13 +39,13 @@ def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q,
+    Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -67,6 +70,8 @@ def _paged_attention_kernel(
     q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
+    if ALIBI:  # per-row slope, in the log2 domain the scores live in
+        slope = tl.load(Slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -79,6 +84,8 @@ def _paged_attention_kernel(
         base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, k) * scale_log2
+        if ALIBI:
+            s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -100,6 +107,7 @@ def _pow2(x: int) -> int:
 
 class TritonPagedAttention:
     name = "triton"
+    supports_alibi = True
     BLOCK_M_PREFILL = 64
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
     DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
@@ -118,7 +126,8 @@ class TritonPagedAttention:
                                k_cache.stride(1), ROW=row, BLOCK=_pow2(row))
 
     @classmethod
-    def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                alibi_slopes: torch.Tensor | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         hq, dim = q.shape[1], q.shape[2]
@@ -131,15 +140,17 @@ class TritonPagedAttention:
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_bt=meta.block_tables.stride(0),
             GROUP=group, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=page,
+            ALIBI=alibi_slopes is not None,
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
+        slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
-                *args, meta.q_start, meta.q_start, TILE_Q=1, BLOCK_M=max(16, _pow2(group)),
+                *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=max(16, _pow2(group)),
                 DIRECT=True, **common, **cls.DECODE_LAUNCH)
         if meta.num_prefill_tiles:
             tq = meta.prefill_tile_q
             _paged_attention_kernel[(meta.num_prefill_tiles, hkv)](
-                *args, meta.prefill_tiles[0], meta.prefill_tiles[1], TILE_Q=tq,
+                *args, meta.prefill_tiles[0], meta.prefill_tiles[1], slopes, TILE_Q=tq,
                 BLOCK_M=max(16, _pow2(tq * group)), DIRECT=False, **common, **cls.PREFILL_LAUNCH)
         return out

@@ -7,6 +7,8 @@ reference does; the rotation itself is applied here on the flat token batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -39,13 +41,30 @@ def inv_freq_and_scale(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scale)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (halves, not interleaved pairs) on the first `rotary_dim` dims."""
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes m_h (Press et al.; as Baichuan-13B): a geometric series over the largest
+    power of two p <= n heads, then every other member of the 2p series for the rest."""
+    p = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * (h + 1) / p) for h in range(p)]
+    slopes += [2.0 ** (-4.0 * (2 * k + 1) / p) for k in range(num_heads - p)]
+    return torch.tensor(slopes, dtype=torch.float32)
 
-    def __init__(self, config, head_dim: int, rotary_dim: int, max_positions: int):
+
+class RotaryEmbedding(nn.Module):
+    """Rotation on the first `rotary_dim` dims of each head: neox style (halves) by default,
+    or GPT-J style (`interleaved`: pairs 2i, 2i+1, as ChatGLM/GLM) where frequency i turns
+    the pair (2i, 2i+1)."""
+
+    def __init__(self, config, head_dim: int, rotary_dim: int, max_positions: int,
+                 interleaved: bool = False, alibi_heads: int = 0):
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.interleaved = interleaved
+        # ALiBi models keep their per-head slopes here instead: the same one-time table
+        # build, on the model's device, before any CUDA graph is captured.
+        self.alibi_heads = alibi_heads
+        self.register_buffer("alibi_slopes", torch.empty(0), persistent=False)
         self.config = config
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
@@ -53,6 +72,9 @@ class RotaryEmbedding(nn.Module):
 
     def build_tables(self, device: torch.device) -> None:
         """Fill the float32 cos/sin tables (after the model is materialised on `device`)."""
+        if self.alibi_heads:
+            self.alibi_slopes = alibi_slopes(self.alibi_heads).to(device)
+            return
         inv, scale = inv_freq_and_scale(self.config, self.rotary_dim)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
         self.cos = (freqs.cos() * scale).to(device)
@@ -60,7 +82,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
-        if fused_ops.available(q):
+        if not self.interleaved and fused_ops.available(q):  # the kernel is neox-only
             fused_ops.rotary_(q, k, positions, self.cos, self.sin)
             return q, k
         cos = self.cos[positions].unsqueeze(1)
@@ -70,6 +92,11 @@ class RotaryEmbedding(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
         rot, rest = (x, None) if rd == x.shape[-1] else (x[..., :rd], x[..., rd:])
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if self.interleaved:
+            x1, x2 = rot.float()[..., 0::2], rot.float()[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            out = out.flatten(-2).to(x.dtype)
+        else:
+            x1, x2 = rot.float().chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
         return out if rest is None else torch.cat((out, rest), dim=-1)

@@ -17,6 +17,7 @@ import torch
 from pagedllm.model_executor.layers.quantization import QuantizedLinear, resolve_quant_config
 from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
+from pagedllm.model_executor.models.zoo import zoo_architecture, zoo_config
 
 
 @dataclass
@@ -56,9 +57,27 @@ def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
 def load_hf_config(source: ModelSource):
     if source.kind == "gguf":
         return gguf_config(source.path)
+    # Remote-code architectures (InternLM2, Baichuan, Qwen v1, ChatGLM, ...): AutoConfig
+    # would need trust_remote_code, so the file is read as data and translated instead.
+    cfg_path = os.path.join(source.path, "config.json")
+    raw: dict = {}
+    if os.path.exists(cfg_path):
+        import json
+
+        with open(cfg_path) as f:
+            raw = json.load(f)
+        if zoo_architecture(raw):
+            return zoo_config(raw)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(source.path)
+    try:
+        return AutoConfig.from_pretrained(source.path)
+    except ValueError as e:  # e.g. an unknown remote-code model_type
+        if raw.get("auto_map") or raw.get("architectures"):
+            from types import SimpleNamespace
+
+            resolve_architecture(SimpleNamespace(architectures=raw.get("architectures")))
+        raise e
 
 
 def _hf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from pagedllm.model_executor.models.zoo import ZOO_FAMILY, ZooForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # remote-code checkpoints, read without running their code (models/zoo.py)
+    **{arch: ZooForCausalLM for arch in ZOO_FAMILY},
 }
 
 

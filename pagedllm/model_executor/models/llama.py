@@ -1,9 +1,12 @@
-"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), also
+serving the remote-code families of models/zoo.py (InternLM, Baichuan, Qwen v1, ChatGLM).
 
-They differ only in switches read from the config: bias on q/k/v (Qwen2) or on every
-attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3), an explicit
-head_dim, tied embeddings and the rope scaling. q/k/v and gate/up are fused into single
-matmuls; the loader fills the fused weights shard by shard.
+They differ only in switches read from the config: bias on q/k/v (Qwen2, `qkv_bias`) or on
+every attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3), an
+explicit head_dim, tied embeddings, the rope scaling, interleaved-pair rotary on part of
+the head (ChatGLM, `rotary_interleaved`) and ALiBi instead of rotary (Baichuan-13B, `alibi`).
+q/k/v and gate/up are fused into single matmuls; the loader fills the fused weights shard by
+shard.
 
 The model sees one flat batch of tokens and an attention-metadata object; it knows nothing
 of requests, blocks or the scheduler.
@@ -19,7 +22,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.model_executor.layers import fused_ops
 from pagedllm.model_executor.layers.norm import RMSNorm
 from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
-from pagedllm.model_executor.layers.rotary import RotaryEmbedding
+from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 
 
 class ModelShape:
@@ -38,15 +41,19 @@ class ModelShape:
         self.tie_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attn_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_bias = is_qwen2 or attn_bias
+        self.qkv_bias = is_qwen2 or attn_bias or bool(getattr(config, "qkv_bias", False))
         self.o_bias = attn_bias and not is_qwen2
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.hidden_act = getattr(config, "hidden_act", "silu")
         if self.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {self.hidden_act!r}")
-        rotary_pct = getattr(config, "partial_rotary_factor", 1.0)
+        # transformers 5 moved partial_rotary_factor into rope_parameters
+        rotary_pct = (getattr(config, "partial_rotary_factor", None)
+                      or rope_parameters(config).get("partial_rotary_factor") or 1.0)
         self.rotary_dim = int(self.head_dim * rotary_pct)
+        self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
+        self.alibi = bool(getattr(config, "alibi", False))
 
 
 class MergedLinear(nn.Linear):
@@ -96,6 +103,10 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = s.head_dim**-0.5
+        if s.alibi and not getattr(backend, "supports_alibi", False):
+            raise NotImplementedError(
+                f"ALiBi models (Baichuan-13B) need an attention backend with ALiBi; "
+                f"{backend.name!r} has none")
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         s = self.s
@@ -106,8 +117,12 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if not s.alibi:
+            q, k = self.rotary(positions, q, k)
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                     alibi_slopes=self.rotary.alibi_slopes)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -178,7 +193,9 @@ class LlamaForCausalLM(nn.Module):
                  quant: QuantConfig | None = None):
         super().__init__()
         self.shape = s = ModelShape(config, architecture, quant)
-        rotary = RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions)
+        rotary = RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions,
+                                 interleaved=s.rotary_interleaved,
+                                 alibi_heads=s.num_heads if s.alibi else 0)
         self.model = DecoderModel(s, rotary, backend)
         self.rotary = rotary  # registered once, shared by every layer
         if not s.tie_embeddings:

@@ -1,0 +1,165 @@
+"""SentencePiece tokenizers of remote-code checkpoints (Baichuan, InternLM, InternLM2,
+ChatGLM2/3), read from `tokenizer.model` + `tokenizer_config.json` as data.
+
+Their own classes are thin wrappers over SentencePiece in the slow-Llama style: special
+tokens (`added_tokens_decoder`) are cut out of the text first, every other chunk is
+SentencePiece-encoded on its own, and a BOS is prefixed when `add_bos_token` is set.
+ChatGLM appends its command tokens ([MASK], [gMASK], [sMASK], sop, eop, <|system|>,
+<|user|>, <|assistant|>, <|observation|>) after the SentencePiece vocabulary and starts
+every encoded prompt with [gMASK] sop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from pagedllm.tokenizers.chat import render_chat_template
+
+CHATGLM_COMMANDS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>",
+                    "<|assistant|>", "<|observation|>")
+# ChatGLM3's prompt format: [gMASK]sop, then "<|role|>\n content" per message.
+CHATGLM3_TEMPLATE = (
+    "[gMASK]sop{% for m in messages %}<|{{ m['role'] }}|>\n {{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _content(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def is_chatglm(config: dict) -> bool:
+    return config.get("tokenizer_class") == "ChatGLMTokenizer" or "chatglm" in json.dumps(
+        config.get("auto_map") or {}).lower()
+
+
+class SentencePieceTokenizer:
+    """The part of the transformers tokenizer interface the engine and server use."""
+
+    def __init__(self, path: str):
+        import sentencepiece as spm
+
+        self.name_or_path = path
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=os.path.join(path, "tokenizer.model"))
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"{path}/tokenizer.model is not a SentencePiece model: pass "
+                             "tokenizer=... or skip_tokenizer_init=True") from e
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        cfg = {}
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        n = self.sp.get_piece_size()
+        self.chatglm = is_chatglm(cfg)
+        specials: dict[str, int] = {}
+        if self.chatglm:
+            specials = {t: n + i for i, t in enumerate(CHATGLM_COMMANDS)}
+        for sid, tok in (cfg.get("added_tokens_decoder") or {}).items():
+            specials.setdefault(_content(tok), int(sid))
+        for i in range(n):  # control / user-defined pieces written literally in prompts
+            if self.sp.is_control(i) or (self.sp.id_to_piece(i).startswith("<|")
+                                         and self.sp.id_to_piece(i).endswith("|>")):
+                specials.setdefault(self.sp.id_to_piece(i), i)
+        self.special_tokens = specials
+        self._id_to_special = {i: t for t, i in specials.items()}
+        self._split = re.compile("(" + "|".join(
+            re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")") if specials else None
+        self.bos_token = _content(cfg.get("bos_token")) or self._piece(self.sp.bos_id())
+        self.eos_token = _content(cfg.get("eos_token")) or self._piece(self.sp.eos_id())
+        self.bos_token_id = self._id(self.bos_token)
+        self.add_bos = bool(cfg.get("add_bos_token", not self.chatglm)) and self.bos_token_id is not None
+        eos = self._id(self.eos_token)
+        self._eos = [eos] if eos is not None else []
+        if self.chatglm:  # a ChatGLM3 turn ends when the model starts the next role
+            self._eos += [specials["<|user|>"], specials["<|observation|>"]]
+        self.pad_token_id = self._id(_content(cfg.get("pad_token")))
+        self.chat_template = cfg.get("chat_template") or (CHATGLM3_TEMPLATE if self.chatglm else None)
+        self._size = max([n - 1, *specials.values()]) + 1
+
+    def _piece(self, i: int) -> str | None:
+        return self.sp.id_to_piece(i) if 0 <= i < self.sp.get_piece_size() else None
+
+    def _id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        if token in self.special_tokens:
+            return self.special_tokens[token]
+        i = self.sp.piece_to_id(token)
+        return None if i == self.sp.unk_id() and token != self._piece(self.sp.unk_id()) else i
+
+    # -------------------------------------------------------------- special ids
+    @property
+    def eos_token_id(self) -> int | list[int] | None:
+        if not self._eos:
+            return None
+        return self._eos[0] if len(self._eos) == 1 else list(self._eos)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(set(self._id_to_special) | {self.sp.bos_id(), self.sp.eos_id()} - {-1})
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    # -------------------------------------------------------------- text <-> ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = []
+        if add_special_tokens:
+            if self.chatglm:
+                ids += [self.special_tokens["[gMASK]"], self.special_tokens["sop"]]
+            elif self.add_bos:
+                ids.append(self.bos_token_id)
+        for chunk in (self._split.split(text) if self._split else [text]):
+            if chunk in self.special_tokens:
+                ids.append(self.special_tokens[chunk])
+            elif chunk:
+                ids += self.sp.encode(chunk)
+        return ids
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
+        if isinstance(ids, int):
+            ids = [ids]
+        out, run = [], []
+        n = self.sp.get_piece_size()
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        for i in ids:
+            if i in skip:
+                continue
+            if i in self._id_to_special or not 0 <= i < n:
+                if run:
+                    out.append(self.sp.decode(run))
+                    run = []
+                if i in self._id_to_special:
+                    out.append(self._id_to_special[i])
+            else:
+                run.append(i)
+        if run:
+            out.append(self.sp.decode(run))
+        return "".join(out)
+
+    def convert_ids_to_tokens(self, ids):
+        def one(i):
+            return self._id_to_special.get(i) or self._piece(i) or ""
+
+        return one(ids) if isinstance(ids, int) else [one(i) for i in ids]
+
+    def apply_chat_template(self, conversation, chat_template: str | None = None,
+                            tokenize: bool = True, add_generation_prompt: bool = False, **kwargs):
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(f"{self.name_or_path!r} has no chat template: pass chat_template=...")
+        text = render_chat_template(template, conversation,
+                                    add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                    **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
