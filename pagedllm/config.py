@@ -68,6 +68,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    # None: in-process at tensor_parallel_size 1, worker processes ("mp") above it;
+    # "ray": workers as Ray actors (a Ray cluster, possibly several hosts).
+    distributed_executor_backend: str | None = None
     device: str | None = None
     enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or to save their memory)
     hf_overrides: dict = field(default_factory=dict)
@@ -110,6 +113,11 @@ class EngineConfig:
             self.quantization = self.quantization.lower()
             if self.quantization not in ("gptq", "awq", "gguf"):
                 raise ValueError(f"quantization must be gptq|awq|gguf or None (detect), got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be mp|ray or None, got "
+                             f"{self.distributed_executor_backend!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
 

@@ -16,14 +16,23 @@ from pagedllm.core.block_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.output_processor import OutputProcessor, child_id
+from pagedllm.executor import ExecutorDeadError, make_executor
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class StepError(RuntimeError):
+    """The model step raised. Its requests (`request_ids`, user request ids) cannot go on;
+    nothing else was touched, so the engine can serve the rest once they are aborted."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"the model step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -66,7 +75,15 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source, config.tokenizer)
-        self.runner = ModelRunner(config, source, self.hf_config, self.max_model_len)
+        # One ModelRunner in-process, or one worker per tensor-parallel rank: the same surface.
+        self.runner = make_executor(config, source, self.hf_config, self.max_model_len)
+        try:
+            self._start(config, source)
+        except BaseException:
+            self.runner.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, source) -> None:
         on_gpu = self.runner.device.type == "cuda"
         self.max_num_batched_tokens = config.max_num_batched_tokens or (8192 if on_gpu else 2048)
         num_blocks = self.runner.determine_num_blocks(self.max_num_batched_tokens, config.max_num_seqs)
@@ -80,6 +97,10 @@ class LLMEngine:
         self._num_seqs: dict[str, int] = {}
         self.metrics = EngineMetrics(config.model_name)
         self.metrics.update_pool(self.stats())
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a no-op in-process); also done at interpreter exit."""
+        self.runner.shutdown()
 
     # ------------------------------------------------------------------ info
     @property
@@ -167,7 +188,9 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.output_processor.add(request_id, prompt, prompt_token_ids, [r.sampling_params for r in children])
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """End a request now and free its blocks; `reason` is its finish reason ("abort",
+        or "error" when the engine failed it)."""
         n = self._num_seqs.pop(request_id, None)
         if n is None:
             return None
@@ -175,9 +198,9 @@ class LLMEngine:
             cid = child_id(request_id, i, n)
             self.scheduler.abort(cid)
             self.scheduler.release(cid)
-        self.metrics.request_finished("abort")
+        self.metrics.request_finished(reason)
         self.metrics.update_pool(self.stats())
-        return self.output_processor.abort(request_id)
+        return self.output_processor.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -191,11 +214,25 @@ class LLMEngine:
         that finished (the offline API needs nothing else, and skipping the per-step
         copies keeps the loop lean at hundreds of sequences)."""
         so = self.scheduler.schedule()
-        if so.is_empty:
-            if so.finished_req_ids:  # let the worker drop state of aborted requests
-                self.runner.execute(so)
+        if so.is_empty and not so.finished_req_ids:
             return []
-        out = self.runner.execute(so)
+        try:
+            out = self.runner.execute(so)  # an empty step lets the worker drop aborted requests
+        except ExecutorDeadError:
+            raise  # not this step's fault: nothing can run any more, every request must end
+        except Exception as e:
+            owners = self.output_processor.seq_owner
+            ids = {owners[c.request_id][0]: None for c in so.chunks if c.request_id in owners}
+            raise StepError(list(ids)) from e
+        if so.is_empty:
+            return []
+        failed = []
+        for sid, why in out.failed.items():  # e.g. NaN logits: that request alone ends
+            pid = self.output_processor.seq_owner.get(sid, ("", 0))[0]
+            o = self.abort_request(pid, "error")
+            if o is not None:
+                o.error = why
+                failed.append(o)
         for sid, entries in out.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(sid, entries)
         touched: dict[str, None] = {}
@@ -226,7 +263,7 @@ class LLMEngine:
         m.time_to_first_token.observe_many(ttft)
         m.request_queue_time.observe_many(queue)
         m.inter_token_latency.observe_many(itl)
-        outputs = []
+        outputs = failed
         for pid in touched:
             if pid not in self._num_seqs:
                 continue

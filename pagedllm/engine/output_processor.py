@@ -138,13 +138,13 @@ class OutputProcessor:
         if idx == 0 and pid in self.parents:
             self.parents[pid].num_cached_tokens = max(n, 0)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         parent = self.parents.get(request_id)
         if parent is None:
             return None
         for seq in parent.seqs:
             if seq.finish_reason is None:
-                seq.finish_reason = "abort"
+                seq.finish_reason = reason
         return self.output(request_id)
 
     def is_finished(self, request_id: str) -> bool:

@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from pagedllm.entrypoints.bench_serve import add_serve_args, run_serve
 from pagedllm.entrypoints.bench_throughput import add_throughput_args, run_throughput
 
 # name -> (help, adds the flags, runs with the parsed args and returns the result dict)
@@ -18,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None],
                              Callable[[argparse.Namespace], dict]]] = {
     "throughput": ("offline throughput of the engine (and the HF baseline), as "
                    "`vllm bench throughput`", add_throughput_args, run_throughput),
+    "serve": ("latency (TTFT, TPOT, ITL) and throughput of a running server, as "
+              "`vllm bench serve`", add_serve_args, run_serve),
 }
 
 

@@ -18,6 +18,7 @@ import torch
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ScheduledChunk, SchedulerOutput
+from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
 from pagedllm.model_executor.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
 from pagedllm.model_executor.loader import ModelSource, load_model
@@ -40,6 +41,17 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
+
+
+def _non_finite_rows(logits: torch.Tensor) -> set[int]:
+    """Rows with a NaN or +inf logit, or no finite one: nothing can be sampled from them.
+    One reduction, and a host sync only to read a single flag."""
+    top = logits.amax(-1)  # NaN propagates; +inf wins; -inf only when all are -inf
+    ok = torch.isfinite(top)
+    if bool(ok.all()):
+        return set()
+    return set((~ok).nonzero().flatten().tolist())
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
@@ -267,9 +279,19 @@ class ModelRunner:
             logits = graph_logits.index_select(0, rows)
         else:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
+        bad = _non_finite_rows(logits)
+        if bad:  # those requests fail alone; the rest of the batch samples as usual
+            for i in bad:
+                out.failed[sample_ids[i]] = "the model produced non-finite logits (NaN or inf)"
+            keep = [i for i in range(len(sample_ids)) if i not in bad]
+            if not keep:
+                return out
+            logits = logits[torch.tensor(keep, device=self.device)]
+            sample_ids = [sample_ids[i] for i in keep]
         states = [self.states[r] for r in sample_ids]
         result = self.sampler(logits, self._sampling_batch(states, logits.shape[-1]))
-        for rid, st, tok, lp in zip(sample_ids, states, result.token_ids, result.logprobs, strict=True):
+        tokens = broadcast_from_first(result.token_ids, self.device)  # TP ranks keep one history
+        for rid, st, tok, lp in zip(sample_ids, states, tokens, result.logprobs, strict=True):
             st.token_ids.append(tok)
             out.sampled[rid] = tok
             if lp is not None:

@@ -4,7 +4,10 @@
 
 Every failure a client can cause is answered with OpenAI's error object and touches no
 other request: validation happens before a request reaches the engine, and the engine
-rejects what only it can check (a ValueError) before the response starts.
+rejects what only it can check (a ValueError) before the response starts. Error bodies
+never carry a traceback, a file path or an unexpected exception's text (those go to the
+log). The protective limits (queue cap, request timeout, body size, drain on shutdown) are
+`limits.ServerLimits`; CORS is off unless `--allowed-origins` names origins.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -20,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.datastructures import Headers
@@ -31,11 +36,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncEngine
 
 from .cli_args import (
+    ServerLimits,
     engine_config,
     load_chat_template,
     make_arg_parser,
     resolve_api_key,
+    server_limits,
 )
+from .limits import BodyLimitMiddleware, timeout_error, with_deadline
 from .metrics_routes import (
     DASHBOARD_PATH,
     METRICS_PATHS,
@@ -55,13 +63,19 @@ from .protocol import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import APIError, OpenAIServing
+from .serving_engine import Admission, APIError, OpenAIServing
+from .shutdown import Drain, DrainingServer, DrainMiddleware
 
 logger = logging.getLogger("pagedllm.server")
 
-# Liveness probes work without the key, and so does the dashboard's page (a static file;
-# its data follows the metrics' rule).
-OPEN_PATHS = frozenset({"/health", "/version", DASHBOARD_PATH})
+# Probes work without the key (unless --health-require-api-key), and so does the
+# dashboard's page (a static file; its data follows the metrics' rule).
+HEALTH_PATHS = frozenset({"/health", "/version"})
+OPEN_PATHS = HEALTH_PATHS | {DASHBOARD_PATH}
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
 class APIKeyMiddleware:
@@ -70,14 +84,15 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS):
         self.app = app
-        self.expected = api_key.encode()
+        self.expected = _digest(api_key)
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] in ("http", "websocket") and scope["path"] not in self.open_paths:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            # Constant time, so the key cannot be guessed byte by byte from response times.
-            ok = hmac.compare_digest(token.strip().encode(), self.expected)
+            # Constant time, so the key cannot be guessed byte by byte from response times;
+            # digests of equal length, so not even its length shows.
+            ok = hmac.compare_digest(_digest(token.strip()), self.expected)
             if scheme.lower() != "bearer" or not ok:
                 err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                401, code="invalid_api_key")
@@ -86,6 +101,35 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class InternalErrorMiddleware:
+    """An unexpected exception becomes a 500 in OpenAI's shape naming its type alone; the
+    traceback goes to the log. Caught here, inside Starlette's outermost layer (which would
+    answer too, but then re-raise and make the server drop the client's connection)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:
+            if started:  # a response has begun: only closing the connection is left
+                raise
+            logger.exception("request failed")
+            err = APIError(f"internal server error ({type(e).__name__}); see the server log", 500)
+            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
 # Pydantic's names for the branches of a union ('str', 'list[int]'), which mean nothing
@@ -128,47 +172,75 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[str]]) -> Response:
-    """Run `work` until it answers or the client goes away. A request that is not streamed
-    is cancelled (and so aborted in the engine) when its client disconnects; a streamed
-    one is cancelled by the streaming response itself."""
+async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[str]],
+                   timeout: float | None = None) -> Response:
+    """Run `work` until it answers, the client goes away or `timeout` seconds pass. A
+    request that is not streamed is cancelled (and so aborted in the engine) when its client
+    disconnects or its time is up; a streamed one is cancelled by the streaming response
+    itself, or by its deadline."""
+    timeout = timeout or None  # 0: no limit
+    deadline = asyncio.get_running_loop().time() + timeout if timeout else None
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+    if not done:
+        logger.warning("a request ran past --request-timeout %g s: aborted", timeout)
+        raise timeout_error(timeout)
     if task.cancelled():
         return Response(status_code=499)  # client closed the request; nobody reads this
     result = task.result()
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump())
+    if deadline is not None:
+        result = with_deadline(result, deadline, timeout)
     return StreamingResponse(result, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = None,
-              chat_template: str | None = None, metrics_require_api_key: bool = False) -> FastAPI:
+              chat_template: str | None = None, metrics_require_api_key: bool = False,
+              health_require_api_key: bool = False, limits: ServerLimits | None = None,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     """The FastAPI app over a running engine. `chat_template` is the template text. While
-    the app runs, a background task samples the engine once a second for /dashboard."""
+    the app runs, a background task samples the engine once a second for /dashboard.
+    `app.state.drain` is the drain the server starts on SIGTERM."""
+    limits = limits or ServerLimits()
     sampler = engine_sampler(engine, config.model_name)
     app = FastAPI(title="pagedllm", version=__version__,
                   lifespan=lambda _app: sampling(sampler))
-    base = OpenAIServing(engine, config, chat_template)
-    completions = OpenAIServingCompletion(engine, config, chat_template)
-    chat = OpenAIServingChat(engine, config, chat_template)
+    admission = Admission(limits.max_waiting_requests)
+    base = OpenAIServing(engine, config, chat_template, admission)
+    completions = OpenAIServingCompletion(engine, config, chat_template, admission)
+    chat = OpenAIServingChat(engine, config, chat_template, admission)
+    app.state.admission = admission
+    app.state.drain = drain = Drain(limits.shutdown_timeout)
+    # Added innermost first: CORS (answering preflights, which carry no key) runs first,
+    # then the drain, the body limit, the key check, and the net for unexpected errors.
+    app.add_middleware(InternalErrorMiddleware)
     if api_key:
-        open_paths = OPEN_PATHS if metrics_require_api_key else OPEN_PATHS | METRICS_PATHS
+        open_paths = OPEN_PATHS - (HEALTH_PATHS if health_require_api_key else set())
+        if not metrics_require_api_key:
+            open_paths |= METRICS_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    app.add_middleware(DrainMiddleware, drain=drain, open_paths=METRICS_PATHS)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     add_metrics_routes(app, engine, sampler)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -177,14 +249,8 @@ def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(str(exc.detail), exc.status_code)
+        err = APIError(str(exc.detail), exc.status_code, code=getattr(exc, "code", None))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        err = APIError(f"internal server error: {type(exc).__name__}", 500)
-        return JSONResponse(err.body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -208,11 +274,11 @@ def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = N
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, completions.create(body))
+        return await _respond(request, completions.create(body), limits.request_timeout)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, chat.create(body))
+        return await _respond(request, chat.create(body), limits.request_timeout)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -261,11 +327,13 @@ def startup_banner(engine: AsyncEngine, config: EngineConfig, names: list[str], 
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """Load the model, print what was built, and serve until interrupted."""
+    """Load the model, print what was built, and serve until SIGTERM or Ctrl-C, which
+    drain running requests for up to --shutdown-timeout seconds before the exit (0)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        limits = server_limits(args)
         chat_template = load_chat_template(args.chat_template)
         engine = AsyncEngine.from_config(config)
     except (ValueError, OSError, RuntimeError) as e:
@@ -274,12 +342,16 @@ def run_server(args: argparse.Namespace) -> None:
     try:
         api_key = resolve_api_key(args)
         app = build_app(engine, config, api_key=api_key, chat_template=chat_template,
-                        metrics_require_api_key=args.metrics_require_api_key)
+                        metrics_require_api_key=args.metrics_require_api_key,
+                        health_require_api_key=args.health_require_api_key, limits=limits,
+                        allowed_origins=args.allowed_origins)
         names = OpenAIServing(engine, config).served_names
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
                              args.metrics_require_api_key), flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
+        # After the drain, handlers ended at its deadline need a moment to send their error.
+        server_config = uvicorn.Config(app, host=args.host, port=args.port,
+                                       log_level=args.log_level, timeout_graceful_shutdown=5)
+        DrainingServer(server_config, app.state.drain, on_deadline=engine.stop).run()
     finally:
         engine.shutdown()
 

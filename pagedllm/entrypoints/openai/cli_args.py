@@ -3,18 +3,29 @@
 
 Flags mirror vLLM's; the seed article's spellings (--max-context-length,
 --max-concurrent-requests, --max-tokens-per-batch) are aliases writing the same setting.
+The server's own protective limits become one `ServerLimits`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from pagedllm.config import EngineConfig, parse_bytes
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+
+
+@dataclass
+class ServerLimits:
+    """What keeps one client from hurting the others (see limits.py and shutdown.py)."""
+
+    max_waiting_requests: int = 1024  # requests with no output yet; 0: no cap
+    request_timeout: float | None = None  # seconds from arrival to the last byte; None: none
+    max_request_body_bytes: int = 4 * 2**20  # 0: no limit
+    shutdown_timeout: float = 30.0  # seconds to drain running requests after SIGTERM
 
 
 def _bytes(value: str) -> int:
@@ -34,6 +45,23 @@ def _positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return n
+
+
+def _non_negative_int(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return n
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not s >= 0 or s == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value}")
+    return s
 
 
 def _default(name: str) -> str:
@@ -85,6 +113,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    help="share KV blocks of common prompt prefixes (default: on)")
     e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
                    help=_default("tensor_parallel_size"))
+    e.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
+                   help="how tensor-parallel workers run: local processes (mp) or Ray actors "
+                   "(default: mp when --tensor-parallel-size > 1)")
     e.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     e.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
@@ -96,8 +127,32 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     s.add_argument("--metrics-require-api-key", action="store_true",
                    help="require the API key for /metrics and the dashboard's data too "
                    "(default: open, like /health, so scrapers need no key)")
+    s.add_argument("--health-require-api-key", action="store_true",
+                   help="require the API key for /health and /version too (default: open, "
+                   "for load balancers' and Kubernetes' probes)")
+    s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                   help="enable CORS for these browser origins, e.g. https://app.example.com "
+                   "or * (default: CORS off, browsers on other origins cannot call the API)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: info)")
+
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-waiting-requests", type=_non_negative_int,
+                     default=ServerLimits.max_waiting_requests, metavar="N",
+                     help="requests that may wait for their first token (queued, or their "
+                     "prompt being read); more get 503 with Retry-After; 0: no cap "
+                     f"(default: {ServerLimits.max_waiting_requests})")
+    lim.add_argument("--request-timeout", type=_seconds, metavar="SECONDS",
+                     help="abort a completion still running after this long and answer 504 "
+                     "(code request_timeout); 0: none (default: none)")
+    lim.add_argument("--max-request-body-bytes", type=_bytes, metavar="BYTES",
+                     default=ServerLimits.max_request_body_bytes,
+                     help="larger request bodies get 413, e.g. 4MiB, 1000000; 0: no limit "
+                     "(default: 4MiB)")
+    lim.add_argument("--shutdown-timeout", type=_seconds, metavar="SECONDS",
+                     default=ServerLimits.shutdown_timeout,
+                     help="on SIGTERM, refuse new requests and let running ones finish for "
+                     f"up to this long, then exit (default: {ServerLimits.shutdown_timeout:g})")
     return p
 
 
@@ -113,9 +168,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = ["tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
-             "enable_prefix_caching", "tensor_parallel_size", "device", "enforce_eager"]
+             "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
+             "device", "enforce_eager"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(max_waiting_requests=args.max_waiting_requests,
+                        request_timeout=args.request_timeout or None,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        shutdown_timeout=args.shutdown_timeout)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

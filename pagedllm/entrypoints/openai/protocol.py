@@ -4,19 +4,57 @@ Requests accept OpenAI's fields plus vLLM's extra sampling fields (sent by the o
 client through `extra_body`), and turn themselves into one `SamplingParams`, so the
 completion and chat endpoints share a single translation. Unknown fields are kept (and
 logged by the server) rather than rejected: newer clients send fields we do not know yet.
+
+What a request may ask for is bounded here, before anything is tokenized or queued: no NaN or
+infinity, no string that is not Unicode (lone surrogates from JSON escapes), integers that fit
+the tensors they become, and caps on n and on the lists each engine step walks per request
+(stop strings, stop token ids, logit biases), so one request cannot slow every other one.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagedllm.sampling_params import SamplingParams
 
 # Larger than any real logprob and still valid JSON (JSON has no -Infinity).
 MIN_LOGPROB = -9999.0
+
+# Limits on one request (OpenAI allows n up to 128 too).
+MAX_N = 128
+MAX_STOP = 64  # stop strings, each searched for after every token
+MAX_TOKEN_LIST = 1024  # stop_token_ids and logit_bias entries, applied at every step
+# A seed or top_k becomes a 64-bit integer in a tensor or a generator.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+def first_non_unicode(value: Any, path: str = "") -> str | None:
+    """Where the first string that is not valid Unicode is ('messages[0].content'), else
+    None. JSON can spell lone surrogates ('\\ud800'), which no tokenizer takes and no UTF-8
+    response can carry; the path never echoes the bad string itself."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "a string"
+        return None
+    if isinstance(value, dict):
+        children = value.items()
+    elif isinstance(value, list):
+        children = enumerate(value)
+    else:
+        return None
+    for key, item in children:
+        if isinstance(key, str) and first_non_unicode(key):
+            return f"a key of {path}" if path else "a key"
+        bad = first_non_unicode(item, f"{path}[{key}]" if isinstance(key, int)
+                                else f"{path}.{key}".lstrip("."))
+        if bad:
+            return bad
+    return None
 
 
 def now() -> int:
@@ -24,9 +62,17 @@ def now() -> int:
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None  # None: the one model this server has
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_only(cls, data: Any) -> Any:
+        bad = first_non_unicode(data)
+        if bad:
+            raise ValueError(f"{bad} is not valid Unicode text (it holds a lone surrogate)")
+        return data
 
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -39,24 +85,26 @@ class StreamOptions(BaseModel):
 class SamplingRequest(OpenAIRequest):
     """The fields completions and chat share, and their translation to `SamplingParams`."""
 
-    n: int = 1
+    n: int = Field(default=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    # OpenAI's range: -100 bans a token, 100 forces it.
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_TOKEN_LIST)] | None = None
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling parameters.
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_TOKEN_LIST)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 

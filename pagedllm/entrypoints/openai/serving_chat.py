@@ -27,6 +27,7 @@ from .serving_engine import (
     APIError,
     DeltaTracker,
     OpenAIServing,
+    as_api_error,
     clamp_logprob,
     random_id,
     sse,
@@ -130,6 +131,6 @@ class OpenAIServingChat(OpenAIServing):
                                 finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
             if req.include_usage and final is not None:
                 yield chunk([], self._usage(prompt_tokens, final))
-        except APIError as e:
-            yield sse(e.body())
+        except Exception as e:  # the response has begun: the error is its last event
+            yield sse(as_api_error(e).body())
         yield SSE_DONE

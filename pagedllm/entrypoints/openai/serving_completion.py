@@ -21,6 +21,7 @@ from .serving_engine import (
     DeltaTracker,
     OpenAIServing,
     Prompt,
+    as_api_error,
     clamp_logprob,
     random_id,
     sse,
@@ -150,6 +151,6 @@ class _Run:
             if self.req.include_usage:
                 yield sse(CompletionResponse(id=self.id, model=self.model, choices=[],
                                              usage=self.usage(finals)))
-        except APIError as e:
-            yield sse(e.body())
+        except Exception as e:  # the response has begun: the error is its last event
+            yield sse(as_api_error(e).body())
         yield SSE_DONE

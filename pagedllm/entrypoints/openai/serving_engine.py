@@ -14,7 +14,12 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
+from pagedllm.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineShutdownError,
+    RequestFailedError,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,21 +37,20 @@ logger = logging.getLogger(__name__)
 # A prompt as the engine takes it: the text (None for token-id prompts) and its token ids.
 Prompt = tuple[str | None, list[int]]
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-                404: "invalid_request_error", 503: "server_error"}
-
-
 class APIError(Exception):
-    """An error the client should see as OpenAI's error object with this HTTP status."""
+    """An error the client should see as OpenAI's error object with this HTTP status (and
+    these headers, e.g. Retry-After). The message is all a client learns: never a traceback,
+    a file path or the text of an unexpected exception."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers
 
     def body(self) -> dict:
-        info = ErrorInfo(message=self.message, type=_ERROR_TYPES.get(self.status, "server_error"),
-                         param=self.param, code=self.code)
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        info = ErrorInfo(message=self.message, type=kind, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
 
@@ -127,9 +131,38 @@ def param_of(message: str, request: BaseModel | None) -> str | None:
     return word if request is not None and word in type(request).model_fields else None
 
 
+class Admission:
+    """The cap on waiting requests (`--max-waiting-requests`): engine requests accepted
+    that have no output yet, because they are queued or their prompt is being read. Past the
+    cap a new API request is refused with 503 and Retry-After at once, so a burst costs the
+    server nothing and the queue (and every queued request's wait) stays bounded."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, max_waiting: int = 0):
+        self.max_waiting = max_waiting  # 0: no cap
+        self.waiting = 0
+
+    def enter(self, k: int) -> None:
+        cap = self.max_waiting
+        if cap and k > cap:  # could never be admitted: not worth a retry
+            raise APIError(f"this request holds {k} prompts; the server queues at most {cap} "
+                           "requests (--max-waiting-requests)", 400, "prompt")
+        if cap and self.waiting + k > cap:
+            raise APIError(f"The server is overloaded: {self.waiting} requests are already "
+                           "waiting. Please retry later.", 503, code="server_overloaded",
+                           headers={"Retry-After": str(self.RETRY_AFTER_S)})
+        self.waiting += k
+
+    def leave(self, k: int) -> None:
+        self.waiting -= k
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, config: EngineConfig, chat_template: str | None = None):
+    def __init__(self, engine: AsyncEngine, config: EngineConfig, chat_template: str | None = None,
+                 admission: Admission | None = None):
         self.engine = engine
+        self.admission = admission or Admission()
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -146,8 +179,11 @@ class OpenAIServing:
         if request.model is not None and request.model not in self.aliases:
             raise APIError(f"The model `{request.model}` does not exist; this server has "
                            f"{', '.join(self.served_names)}.", 404, "model", "model_not_found")
-        if request.unknown_fields():
-            logger.warning("ignoring unsupported request fields: %s", request.unknown_fields())
+        unknown = request.unknown_fields()
+        if unknown:  # names chosen by the client: a few, shortened, quoted
+            shown = ", ".join(repr(name[:40]) for name in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            logger.warning("ignoring unsupported request fields: %s%s", shown, more)
         if isinstance(request, SamplingRequest) and request.stream_options and not request.stream:
             raise APIError("stream_options is only allowed with stream=true", 400, "stream_options")
 
@@ -224,10 +260,14 @@ class OpenAIServing:
         """Start one engine request per prompt and wait for their first outputs, so that an
         invalid request fails here, before any response has begun; then stream
         (prompt index, cumulative output) pairs. Closing the stream aborts what is left."""
-        gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                     text, ids, params)
-                for i, (text, ids) in enumerate(prompts)]
-        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        self.admission.enter(len(prompts))
+        try:
+            gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                                         text, ids, params)
+                    for i, (text, ids) in enumerate(prompts)]
+            firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        finally:
+            self.admission.leave(len(prompts))
         errors = [e for e in firsts if isinstance(e, BaseException)]
         if errors:
             await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
@@ -236,11 +276,20 @@ class OpenAIServing:
 
 
 def as_api_error(e: BaseException, request: BaseModel | None = None) -> BaseException:
+    """What the client is told. The engine's own errors carry messages written for clients;
+    anything else is named by its type alone (its text may hold paths or internals)."""
+    if isinstance(e, APIError | asyncio.CancelledError):
+        return e
+    if isinstance(e, EngineShutdownError):
+        return APIError(str(e), 503, code="shutting_down")
     if isinstance(e, EngineDeadError):
-        return APIError(str(e), 503)
+        return APIError(str(e), 503, code="engine_unavailable")
+    if isinstance(e, RequestFailedError):
+        return APIError(str(e), 500, code="generation_failed")
     if isinstance(e, ValueError):
         return APIError(str(e), 400, param_of(str(e), request))
-    return e
+    logger.error("request failed", exc_info=e)
+    return APIError(f"internal server error ({type(e).__name__}); see the server log", 500)
 
 
 async def _merge(gens: list, firsts: list[RequestOutput], request: BaseModel | None

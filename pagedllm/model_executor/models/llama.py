@@ -6,7 +6,8 @@ every attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3
 explicit head_dim, tied embeddings, the rope scaling, interleaved-pair rotary on part of
 the head (ChatGLM, `rotary_interleaved`) and ALiBi instead of rotary (Baichuan-13B, `alibi`).
 q/k/v and gate/up are fused into single matmuls; the loader fills the fused weights shard by
-shard.
+shard. Under tensor parallelism (layers/parallel.py) every rank builds the same modules over
+its own heads and slices, and each layer cuts its part out of the full checkpoint tensors.
 
 The model sees one flat batch of tokens and an attention-metadata object; it knows nothing
 of requests, blocks or the scheduler.
@@ -19,8 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.distributed import get_tp_rank, get_tp_world_size
 from pagedllm.model_executor.layers import fused_ops
 from pagedllm.model_executor.layers.norm import RMSNorm
+from pagedllm.model_executor.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_logits,
+    head_partition,
+)
 from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
 from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -54,37 +64,34 @@ class ModelShape:
         self.rotary_dim = int(self.head_dim * rotary_pct)
         self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
         self.alibi = bool(getattr(config, "alibi", False))
-
-
-class MergedLinear(nn.Linear):
-    """A linear layer whose output rows are several checkpoint tensors stacked (q|k|v or
-    gate|up). `shards` maps a shard name to its row range."""
-
-    def __init__(self, in_features: int, sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(sizes.values()), bias=bias)
-        self.shards: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in sizes.items():
-            self.shards[name] = (start, size)
-            start += size
-
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        start, size = self.shards[shard]
-        target = getattr(self, param_name)
-        if tensor.shape[0] != size:
-            raise ValueError(f"shard {shard!r} expects {size} rows, checkpoint has {tensor.shape[0]}")
-        target.data[start : start + size].copy_(tensor)
+        # Tensor parallelism: from here on num_heads / num_kv_heads / intermediate are this
+        # rank's (what its KV cache and attention kernels see); the totals size the checkpoint.
+        self.tp_size = tp = get_tp_world_size()
+        if tp > 1 and quant is not None:
+            raise NotImplementedError(
+                f"tensor_parallel_size > 1 with a {quant.method.upper()} checkpoint is not supported "
+                "yet (packed weights are not sharded); use tensor_parallel_size=1 or a float checkpoint")
+        self.total_num_heads, self.total_num_kv_heads = self.num_heads, self.num_kv_heads
+        self.head_start, self.num_heads = head_partition(self.num_heads, get_tp_rank(), tp,
+                                                         "num_attention_heads")
+        _, self.num_kv_heads = head_partition(self.num_kv_heads, get_tp_rank(), tp,
+                                              "num_key_value_heads", replicate=True)
+        self.total_intermediate = self.intermediate
+        self.intermediate = self.intermediate // tp  # divisibility checked by the layers
 
 
 def make_linear(in_features: int, out: int | dict[str, int], bias: bool,
-                quant: QuantConfig | None) -> nn.Module:
+                quant: QuantConfig | None, row_parallel: bool = False) -> nn.Module:
     """A float layer, or the packed GPTQ/AWQ layer when the checkpoint is quantized; `out`
-    as a dict builds a fused layer from those shards."""
+    as a dict builds a fused layer from those shards. Sizes are the checkpoint's: float
+    layers split themselves over the TP ranks (by output rows, or by input columns when
+    `row_parallel`, for the layers that consume a split activation)."""
     if quant is not None:
         return QuantizedLinear(in_features, out if isinstance(out, dict) else {None: out}, bias, quant)
-    if isinstance(out, dict):
-        return MergedLinear(in_features, out, bias)
-    return nn.Linear(in_features, out, bias=bias)
+    if row_parallel:
+        assert isinstance(out, int)
+        return RowParallelLinear(in_features, out, bias)
+    return ColumnParallelLinear.split_evenly(in_features, out if isinstance(out, dict) else {None: out}, bias)
 
 
 class Attention(nn.Module):
@@ -93,10 +100,15 @@ class Attention(nn.Module):
         self.s = s
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
-        self.qkv_proj = make_linear(
-            s.hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, s.qkv_bias, s.quant
-        )
-        self.o_proj = make_linear(self.q_size, s.hidden, s.o_bias, s.quant)
+        if s.quant is not None:
+            self.qkv_proj = make_linear(
+                s.hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, s.qkv_bias, s.quant
+            )
+        else:  # split by heads, not evenly by rows: KV heads may be replicated
+            self.qkv_proj = ColumnParallelLinear.qkv(s.hidden, s.total_num_heads, s.total_num_kv_heads,
+                                                     s.head_dim, s.qkv_bias)
+        self.o_proj = make_linear(s.total_num_heads * s.head_dim, s.hidden, s.o_bias, s.quant,
+                                  row_parallel=True)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.eps)
             self.k_norm = RMSNorm(s.head_dim, s.eps)
@@ -121,8 +133,9 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
+            slopes = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                     alibi_slopes=self.rotary.alibi_slopes)
+                                     alibi_slopes=slopes)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -130,9 +143,9 @@ class MLP(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.inter = s.intermediate
-        self.gate_up_proj = make_linear(s.hidden, {"gate": s.intermediate, "up": s.intermediate},
-                                        s.mlp_bias, s.quant)
-        self.down_proj = make_linear(s.intermediate, s.hidden, s.mlp_bias, s.quant)
+        full = s.total_intermediate
+        self.gate_up_proj = make_linear(s.hidden, {"gate": full, "up": full}, s.mlp_bias, s.quant)
+        self.down_proj = make_linear(full, s.hidden, s.mlp_bias, s.quant, row_parallel=True)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -164,7 +177,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, s: ModelShape, rotary, backend):
         super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden)
         self.layers = nn.ModuleList(DecoderLayer(s, rotary, backend) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden, s.eps)
 
@@ -195,24 +208,28 @@ class LlamaForCausalLM(nn.Module):
         self.shape = s = ModelShape(config, architecture, quant)
         rotary = RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions,
                                  interleaved=s.rotary_interleaved,
-                                 alibi_heads=s.num_heads if s.alibi else 0)
+                                 alibi_heads=s.total_num_heads if s.alibi else 0)
         self.model = DecoderModel(s, rotary, backend)
         self.rotary = rotary  # registered once, shared by every layer
         if not s.tie_embeddings:
-            self.lm_head = make_linear(s.hidden, s.vocab, False, quant if quant and quant.lm_head else None)
+            self.lm_head = (make_linear(s.hidden, s.vocab, False, quant) if quant and quant.lm_head
+                            else ParallelLMHead(s.vocab, s.hidden))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.shape.tie_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight)
+        """Full-vocabulary logits on every rank (each rank computes its vocabulary slice)."""
+        if self.shape.tie_embeddings:  # the embedding's slice is the head's slice
+            return gather_logits(F.linear(hidden, self.model.embed_tokens.weight), self.shape.vocab)
         return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
         """Fill parameters from (checkpoint name, tensor) pairs in HF naming."""
         params = dict(self.named_parameters())
         quantized = {n: m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
+        parallel = {n: m for n, m in self.named_modules()
+                    if isinstance(m, RowParallelLinear | VocabParallelEmbedding | ColumnParallelLinear)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -232,6 +249,11 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(quantized.get(module_name), QuantizedLinear):
                     quantized[module_name].load_shard(param_name, None, tensor)
                     continue
+                module = parallel.get(module_name)
+                if module is not None and name in params:  # cuts this rank's slice itself
+                    module.load_shard(param_name, None, tensor)
+                    loaded.add(name)
+                    continue
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
                 p = params[name]
@@ -247,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}"
-                if isinstance(module, MergedLinear):
+                if isinstance(module, ColumnParallelLinear) and None not in module.shards:  # fused
                     missing += [f"{full}#{sh}" for sh in module.shards if f"{full}#{sh}" not in loaded]
                 elif full not in loaded:
                     missing.append(full)

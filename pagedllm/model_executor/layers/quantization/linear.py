@@ -12,7 +12,7 @@ depends on the device:
   many times slower for no memory benefit that matters there.
 
 Fused layers (qkv, gate_up) hold their shards side by side along the output dimension,
-exactly as their float counterparts (MergedLinear) do.
+exactly as their float counterparts (ColumnParallelLinear) do.
 """
 
 from __future__ import annotations

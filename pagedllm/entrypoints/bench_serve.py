@@ -1,0 +1,269 @@
+"""`pagedllm bench serve`: latency and throughput of a running server, the method of
+`vllm bench serve`.
+
+Every request streams (`stream_options.include_usage`), asks for exactly `--output-len`
+tokens (`ignore_eos`) and is timed from just before it is sent:
+- TTFT, time to first token: until the first event that carries text;
+- ITL, inter-token latency: the gaps between such events;
+- TPOT, time per output token: (latency - TTFT) / (output tokens - 1), per request;
+- E2E latency: until the stream ends.
+Each is reported as mean, median and p99 (ms); throughput is requests, output tokens and
+all tokens per second of the whole run. Arrivals are all at once or Poisson at
+`--request-rate`, and `--max-concurrency` caps the requests in flight.
+
+Prompts are random token ids (seeded) drawn from the server's own tokenization of a fixed
+text, so they are valid for any model and exactly `--input-len` tokens long on the
+completions endpoint; the chat endpoint sends their text, and the chat template adds its
+own tokens (the JSON reports the real counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.entrypoints.bench_report import args_dict, environment, write_json
+
+DEFAULT_NUM_PROMPTS = 64
+DEFAULT_INPUT_LEN = 128
+DEFAULT_OUTPUT_LEN = 64
+_SOURCE_TEXT = (
+    "The paged key-value cache stores attention keys and values in fixed-size blocks, so "
+    "that requests of any length share one pool without fragmentation. A scheduler admits "
+    "waiting requests while blocks remain, runs decodes and chunked prefills in one batch "
+    "each step, and preempts the newest request when memory runs out. Streaming returns "
+    "tokens as they are produced; a benchmark measures the time to the first token, the "
+    "time between tokens, and the throughput of the whole system under a given load. "
+    "Numbers 0123456789, punctuation ;:!?()[]{} and words in other languages: bonjour, "
+    "gracias, danke, arigato, grazie, obrigado, spasibo, shukran, xiexie, namaste."
+)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server (default: http://127.0.0.1:8000)")
+    s.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions (token-id prompts) or /v1/chat/completions")
+    s.add_argument("--model", help="model name to request (default: the server's first)")
+    s.add_argument("--api-key", help="bearer key (default: $PAGEDLLM_API_KEY, then "
+                                     "$OPENAI_API_KEY)")
+    s.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS,
+                   help=f"timed requests (default {DEFAULT_NUM_PROMPTS})")
+    w.add_argument("--input-len", type=int, default=DEFAULT_INPUT_LEN,
+                   help=f"prompt tokens (default {DEFAULT_INPUT_LEN})")
+    w.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN,
+                   help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN})")
+    w.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
+    w.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
+    w.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default: inf, all at once)")
+    w.add_argument("--max-concurrency", type=int,
+                   help="at most this many requests in flight (default: no cap)")
+    w.add_argument("--warmup", type=int, default=2,
+                   help="untimed requests before the run (other prompts; default 2)")
+    p.add_argument("--output-json", help="write the result here")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def _stats_ms(name: str, values: list[float]) -> dict:
+    if not values:
+        return {f"mean_{name}_ms": None, f"median_{name}_ms": None, f"p99_{name}_ms": None}
+    a = np.asarray(values) * 1000.0
+    return {f"mean_{name}_ms": round(float(a.mean()), 3),
+            f"median_{name}_ms": round(float(np.median(a)), 3),
+            f"p99_{name}_ms": round(float(np.percentile(a, 99)), 3)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    """vLLM's figures, under vLLM's names, from the per-request records."""
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": round(duration, 3),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": round(len(done) / duration, 4),
+        "output_throughput": round(out_tokens / duration, 3),
+        "total_token_throughput": round((in_tokens + out_tokens) / duration, 3),
+        **_stats_ms("ttft", [r.ttft for r in done]),
+        **_stats_ms("tpot", tpots),
+        **_stats_ms("itl", [x for r in done for x in r.itl]),
+        **_stats_ms("e2el", [r.latency for r in done]),
+    }
+
+
+async def _one(client, path: str, body: dict) -> RequestResult:
+    res = RequestResult()
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.error = f"HTTP {r.status_code}: {r.text[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = event["error"].get("message", "error event")
+                    return res
+                if event.get("usage"):
+                    res.prompt_tokens = event["usage"]["prompt_tokens"]
+                    res.output_tokens = event["usage"]["completion_tokens"]
+                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                               for c in event.get("choices", []))
+                if text:
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.ok = last is not None
+        if not res.ok:
+            res.error = "the stream carried no text"
+    except Exception as e:  # a benchmark reports failures rather than stopping at one
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+class _Server:
+    """The few calls a benchmark needs besides the timed ones."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def get(self, path: str) -> dict:
+        r = await self.client.get(path)
+        r.raise_for_status()
+        return r.json()
+
+    async def post(self, path: str, body: dict) -> dict:
+        r = await self.client.post(path, json=body)
+        if r.status_code != 200:
+            raise SystemExit(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+
+def _prompts(pool: list[int], n: int, length: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    try:
+        import httpx
+    except ImportError:  # a client-side tool: the server itself does not need httpx
+        raise SystemExit("pagedllm bench serve needs httpx: pip install httpx") from None
+    key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    concurrency = args.max_concurrency or args.num_prompts
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
+                                 timeout=args.timeout, limits=limits) as client:
+        server = _Server(client)
+        models = await server.get("/v1/models")
+        model = args.model or models["data"][0]["id"]
+        version = (await server.get("/version")).get("version")
+        pool = (await server.post("/tokenize", {"prompt": _SOURCE_TEXT,
+                                                "add_special_tokens": False}))["tokens"]
+        rng = random.Random(args.seed)
+        prompts = _prompts(pool, args.num_prompts + args.warmup, args.input_len, rng)
+        chat = args.endpoint == "chat"
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+
+        async def body(ids: list[int]) -> dict:
+            b = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
+                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            if chat:
+                text = (await server.post("/detokenize", {"tokens": ids}))["prompt"]
+                return {**b, "messages": [{"role": "user", "content": text}]}
+            return {**b, "prompt": ids}
+
+        bodies = [await body(ids) for ids in prompts]
+        for b in bodies[: args.warmup]:
+            warm = await _one(client, path, b)
+            if not warm.ok:
+                raise SystemExit(f"warm-up request failed: {warm.error}")
+        timed = bodies[args.warmup:]
+        gate = asyncio.Semaphore(concurrency)
+
+        async def limited(b: dict) -> RequestResult:
+            async with gate:
+                return await _one(client, path, b)
+
+        arrivals = random.Random(args.seed + 1)
+        load_before = os.getloadavg()
+        start = time.perf_counter()
+        tasks = []
+        for b in timed:
+            tasks.append(asyncio.create_task(limited(b)))
+            if math.isfinite(args.request_rate):
+                await asyncio.sleep(arrivals.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    figures = summarize(results, duration)
+    # On a shared machine the load around the run says how far to trust it.
+    figures["load_average_1m"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+    errors = sorted({r.error for r in results if r.error})[:5]
+    settings = args_dict(args)
+    if not math.isfinite(args.request_rate):
+        settings["request_rate"] = "inf"  # JSON has no Infinity
+    return {"benchmark": "serve", "environment": environment(torch.device("cpu")),
+            "server": {"base_url": args.base_url, "model": model, "version": version,
+                       "endpoint": path},
+            "args": settings, "results": figures, "errors": errors}
+
+
+def _print(result: dict) -> None:
+    r, a = result["results"], result["args"]
+    print(f"serve benchmark: {result['server']['model']} at {result['server']['base_url']}"
+          f"{result['server']['endpoint']}; {a['num_prompts']} requests, "
+          f"{a['input_len']} in / {a['output_len']} out, concurrency "
+          f"{a['max_concurrency'] or 'unbounded'}, rate {a['request_rate']}")
+    print(f"  completed {r['completed']}, failed {r['failed']}, {r['duration_s']} s")
+    print(f"  throughput  {r['request_throughput']} req/s, {r['output_throughput']} output tok/s, "
+          f"{r['total_token_throughput']} total tok/s")
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        print(f"  {label:<5} ms   mean {r[f'mean_{name}_ms']}, median {r[f'median_{name}_ms']}, "
+              f"p99 {r[f'p99_{name}_ms']}")
+    for e in result["errors"]:
+        print(f"  error: {e}")
+
+
+def run_serve(args: argparse.Namespace) -> dict:
+    result = asyncio.run(_run(args))
+    _print(result)
+    if args.output_json:
+        write_json(args.output_json, result)
+        print(f"wrote {args.output_json}")
+    return result

@@ -1,0 +1,98 @@
+"""Bounds that keep one client from hurting the others: the size of a request body, and
+the time a request may take (`cli_args.ServerLimits` holds the settings; the cap on
+waiting requests is `serving_engine.Admission`, the drain on shutdown `shutdown.py`).
+
+Both answer in OpenAI's error shape: 413 for a body over the limit, and 504 (code
+`request_timeout`) for a request that ran past `--request-timeout`: it is aborted in the
+engine, which frees its blocks. A stream that has begun cannot change its status, so its
+last event is the same error object, then `[DONE]`. 504 rather than 408: 408 says the
+client was too slow to send its request, while here the server gave up waiting on the
+engine, as a gateway gives up on an upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .serving_engine import SSE_DONE, APIError, sse
+
+logger = logging.getLogger(__name__)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` while the body arrives; FastAPI lets HTTP exceptions through
+    its body parsing, so the client gets this 413 rather than a parse error."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than this server's limit of "
+                              f"{limit} bytes (--max-request-body-bytes)")
+        self.code = "request_too_large"
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: at once when Content-Length says so, otherwise
+    (chunked uploads) as soon as the bytes received pass the limit. Plain ASGI, so
+    streaming responses and disconnects pass through untouched."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.max_bytes:
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            err = BodyTooLarge(self.max_bytes)
+            body = APIError(err.detail, 413, code=err.code).body()
+            await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
+                scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def timeout_error(timeout: float) -> APIError:
+    return APIError(f"the request did not finish within the server's request timeout of "
+                    f"{timeout:g} s (--request-timeout) and was aborted", 504,
+                    code="request_timeout")
+
+
+async def with_deadline(events: AsyncIterator[str], deadline: float, timeout: float
+                        ) -> AsyncIterator[str]:
+    """The server-sent events of a stream until `deadline` (event-loop time); then the
+    stream is closed (aborting its engine requests) and ends with a timeout error."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(anext(events), deadline - loop.time())
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                logger.warning("a streamed request ran past --request-timeout %g s: aborted",
+                               timeout)
+                yield sse(timeout_error(timeout).body())
+                yield SSE_DONE
+                return
+            yield event
+    finally:
+        await events.aclose()

@@ -1,0 +1,49 @@
+"""The surface the engine drives, and the choice of executor from the config."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.model_executor.loader import ModelSource
+from pagedllm.worker.model_runner import RunnerOutput
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died or the ranks fell out of step: no further step can run. The engine
+    must fail every request rather than retry (retrying would hang on a dead peer)."""
+
+
+class Executor(Protocol):
+    """What LLMEngine calls. Sizes are per device (per rank under tensor parallelism)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    weight_bytes: int
+    bytes_per_block: int
+
+    def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int: ...
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def capture_graphs(self, max_num_seqs: int) -> None: ...
+    def execute(self, so: SchedulerOutput) -> RunnerOutput: ...
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig, source: ModelSource, hf_config, max_model_len: int) -> Executor:
+    """In-process for one device; worker processes (or Ray actors) for tensor parallelism."""
+    backend = config.distributed_executor_backend
+    if config.tensor_parallel_size == 1 and backend is None:
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        return UniprocExecutor(config, source, hf_config, max_model_len)
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, source, hf_config, max_model_len)
+    from pagedllm.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config, source, hf_config, max_model_len)
