@@ -4,10 +4,6 @@ with prometheus_client's own parser while requests run through it."""
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
+from server_process import launch_server
 
 API_KEY = "metrics-key-123"
 MODEL = "smollm2"
@@ -43,46 +40,14 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(log_dir: Path, *flags: str) -> Iterator[Server]:
     """The server as `pagedllm serve` starts it, with the API key from the environment, so
     that what is open without the key is tested too. Also used by test_dashboard."""
-    port = _free_port()
-    log = log_dir / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_LEN),
-           "--num-kv-blocks", str(NUM_BLOCKS), "--served-model-name", MODEL,
-           "--log-level", "warning", *flags]
-    env = {**os.environ, "PAGEDLLM_API_KEY": API_KEY}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(0.2)
-        yield Server(url, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    base = ["--max-model-len", str(MAX_LEN), "--num-kv-blocks", str(NUM_BLOCKS),
+            "--served-model-name", MODEL, *flags]
+    with launch_server(log_dir, base, api_key=API_KEY) as sp:
+        yield Server(sp.url, sp.log)
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 30.0) -> object:

@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import hmac
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from server_process import free_port
 
 from pagedllm.config import EngineConfig, default_model_path
 from pagedllm.engine.async_engine import AsyncEngine
@@ -65,16 +65,10 @@ def engine(tiny_dir) -> Iterator[AsyncEngine]:
     e.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(app) -> Iterator[str]:
     """`app` on a loopback port, served by uvicorn on a thread, for as long as the block runs."""
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_process import launch_server
 
 API_KEY = "load-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -56,42 +54,13 @@ class Server:
         return sum(m[2] for m in mappings) - kv[2], kv[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    port = _free_port()
-    log = tmp_path_factory.mktemp("reliability") / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
-           "--served-model-name", MODEL, "--shutdown-timeout", str(DRAIN_S),
-           "--log-level", "warning"]
-    env = {**os.environ, "PAGEDLLM_API_KEY": API_KEY}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(0.3)
-        yield Server(url, log, proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+    flags = ["--max-model-len", "512", "--served-model-name", MODEL,
+             "--shutdown-timeout", str(DRAIN_S)]
+    with launch_server(tmp_path_factory.mktemp("reliability"), flags, api_key=API_KEY,
+                       graceful_stop=False) as sp:
+        yield Server(sp.url, sp.log, sp.proc)
 
 
 def engine_stats(server: Server) -> dict:

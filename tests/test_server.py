@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_process import launch_server
 
 API_KEY = "test-key-123"
 SERVED = ["smollm2", "smol"]
@@ -36,45 +33,13 @@ class Server:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Server:
     """Started the way the seed article writes it, with the API key from the environment."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
-           "--host", "127.0.0.1", "--port", str(port), "--max-context-length", str(MAX_LEN),
-           "--num-kv-blocks", str(NUM_BLOCKS), "--served-model-name", *SERVED,
-           "--log-level", "warning"]
-    env = {**os.environ, "PAGEDLLM_API_KEY": API_KEY}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(0.3)
-        yield Server(url, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    flags = ["--max-context-length", str(MAX_LEN), "--num-kv-blocks", str(NUM_BLOCKS),
+             "--served-model-name", *SERVED]
+    with launch_server(tmp_path_factory.mktemp("server"), flags, api_key=API_KEY) as sp:
+        yield Server(sp.url, sp.log)
 
 
 @pytest.fixture(scope="module")

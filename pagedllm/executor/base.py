@@ -33,6 +33,40 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+class RankGroupExecutor:
+    """The engine surface shared by executors that drive one worker per rank: every call
+    goes to all ranks through `_run` (one transport per subclass), rank 0 answers."""
+
+    _finalizer: object  # set by subclasses: stops the workers, idempotent
+
+    def _adopt(self, info: dict) -> None:
+        """Sizes reported by rank 0 (per device: what one rank holds)."""
+        self.device = info["device"]
+        self.dtype = info["dtype"]
+        self.vocab_size = info["vocab_size"]
+        self.weight_bytes = info["weight_bytes"]
+        self.bytes_per_block = info["bytes_per_block"]
+
+    def _run(self, method: str, args: tuple) -> list:
+        raise NotImplementedError
+
+    def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """The smallest over ranks: a block id means the same slot on every rank."""
+        return min(self._run("determine_num_blocks", (max_num_batched_tokens, max_num_seqs)))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._run("allocate_kv_cache", (num_blocks,))
+
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        self._run("capture_graphs", (max_num_seqs,))
+
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self._run("execute", (so,))[0]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
 def make_executor(config: EngineConfig, source: ModelSource, hf_config, max_model_len: int) -> Executor:
     """In-process for one device; worker processes (or Ray actors) for tensor parallelism."""
     backend = config.distributed_executor_backend

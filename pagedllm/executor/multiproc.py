@@ -32,11 +32,9 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.executor.base import ExecutorDeadError
+from pagedllm.executor.base import ExecutorDeadError, RankGroupExecutor
 from pagedllm.executor.worker import worker_main
 from pagedllm.model_executor.loader import ModelSource
-from pagedllm.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ def _stop_workers(procs: list, conns: list[Connection], tmpdir: str, grace_s: fl
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(RankGroupExecutor):
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
         self.world_size = world = config.tensor_parallel_size
         ctx = mp.get_context("spawn")  # fork would copy the engine's threads and CUDA state
@@ -92,32 +90,11 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.device = info["device"]
-        self.dtype = info["dtype"]
-        self.vocab_size = info["vocab_size"]
-        self.weight_bytes = info["weight_bytes"]  # of one rank: what one device holds
-        self.bytes_per_block = info["bytes_per_block"]
+        self._adopt(info)
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
-
-    # ------------------------------------------------------------------ engine surface
-    def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-        """The smallest over ranks: a block id means the same slot on every rank."""
-        return min(self._run("determine_num_blocks", (max_num_batched_tokens, max_num_seqs)))
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._run("allocate_kv_cache", (num_blocks,))
-
-    def capture_graphs(self, max_num_seqs: int) -> None:
-        self._run("capture_graphs", (max_num_seqs,))
-
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self._run("execute", (so,))[0]
-
-    def shutdown(self) -> None:
-        self._finalizer()
 
     # ------------------------------------------------------------------ transport
     def _run(self, method: str, args: tuple) -> list[Any]:

@@ -14,11 +14,9 @@ import weakref
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.executor.base import ExecutorDeadError
+from pagedllm.executor.base import ExecutorDeadError, RankGroupExecutor
 from pagedllm.executor.worker import Worker
 from pagedllm.model_executor.loader import ModelSource
-from pagedllm.worker.model_runner import RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +63,7 @@ def _kill_actors(actors: list) -> None:
             pass
 
 
-class RayExecutor:
+class RayExecutor(RankGroupExecutor):
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
         import ray
         import torch
@@ -88,26 +86,7 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.device = info["device"]
-        self.dtype = info["dtype"]
-        self.vocab_size = info["vocab_size"]
-        self.weight_bytes = info["weight_bytes"]
-        self.bytes_per_block = info["bytes_per_block"]
-
-    def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-        return min(self._run("determine_num_blocks", (max_num_batched_tokens, max_num_seqs)))
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._run("allocate_kv_cache", (num_blocks,))
-
-    def capture_graphs(self, max_num_seqs: int) -> None:
-        self._run("capture_graphs", (max_num_seqs,))
-
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        return self._run("execute", (so,))[0]
-
-    def shutdown(self) -> None:
-        self._finalizer()
+        self._adopt(info)
 
     def _run(self, method: str, args: tuple) -> list[Any]:
         if self._dead is not None:

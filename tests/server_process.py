@@ -1,0 +1,69 @@
+"""Start the real server as `python -m pagedllm.entrypoints.openai.api_server` on a free
+loopback port, wait for /health, and stop it afterwards: shared by the server test files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    log: Path
+    proc: subprocess.Popen
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_server(log_dir: Path, flags: list[str], api_key: str | None = None,
+                  graceful_stop: bool = True) -> Iterator[ServerProcess]:
+    """`graceful_stop=False` kills at the end instead of draining (for servers given a long
+    --shutdown-timeout)."""
+    port = free_port()
+    log = log_dir / "server.log"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
+           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    env = dict(os.environ)
+    if api_key is not None:
+        env["PAGEDLLM_API_KEY"] = api_key
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield ServerProcess(url, log, proc)
+    finally:
+        if proc.poll() is None:
+            proc.terminate() if graceful_stop else proc.kill()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
