@@ -128,6 +128,25 @@ def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
     assert _alive(pids) == []
 
 
+def test_tp2_zoo_model_from_its_original_layout(tiny_models, tmp_path):
+    """InternLM2's grouped wqkv, converted from a Llama reference, shards like the rest."""
+    import zoo_converters as zc
+
+    from pagedllm import LLM
+
+    _, hf = tiny_models("llama", num_key_value_heads=2)
+    path = zc.to_internlm2(hf, str(tmp_path / "internlm2"))
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
+    want = _greedy(LLM(path, **kw))
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        assert _greedy(llm) == want
+    finally:
+        pids = llm.engine.runner.worker_pids
+        llm.engine.shutdown()
+    assert _alive(pids) == []
+
+
 def test_killed_worker_fails_the_run_quickly_and_leaves_no_orphans(tiny_models):
     import signal
     import time
