@@ -20,20 +20,26 @@ def make_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **kw)
 
 
-def save_tiny_model(path: str, model_type: str, seed: int = 0, safetensors: bool = True, **overrides):
-    """Build a random HF model in float32, save it (no tokenizer), return it."""
+def random_tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A random HF model in float32 with weights wide enough that greedy choices are far
+    from ties (the default init leaves tiny logits)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = make_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    # Random init leaves tiny logits; widen them so greedy choices are far from ties.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
+    return model
+
+
+def save_tiny_model(path: str, model_type: str, seed: int = 0, safetensors: bool = True, **overrides):
+    """Build a random HF model (random_tiny_model), save it (no tokenizer), return it."""
+    model = random_tiny_model(model_type, seed, **overrides)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=safetensors)
     return model

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 import zoo_converters as zc
-from hf_models import hf_greedy, make_config
+from hf_models import hf_greedy, random_tiny_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.models.zoo import zoo_config
@@ -19,20 +19,7 @@ from pagedllm.model_executor.models.zoo import zoo_config
 MAX_NEW = 8
 
 
-def _reference(model_type: str, seed: int = 0, **overrides):
-    """A tiny random HF model (weights widened as in hf_models.save_tiny_model)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(model_type, **overrides),
-                                             torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-            elif "bias" in name:
-                p.normal_(0, 0.1)
-    return model
+_reference = random_tiny_model
 
 
 def _prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:

@@ -66,33 +66,24 @@ class TorchPagedAttention:
                                 int(meta.host_ctx_len[i]))
             rows = slice(start, start + qlen)
             qs = q[rows].transpose(0, 1).unsqueeze(0)
-            if alibi_slopes is not None:
-                if ctx == qlen:
-                    ks = k[rows].transpose(0, 1).unsqueeze(0)
-                    vs = v[rows].transpose(0, 1).unsqueeze(0)
-                else:
-                    table = meta.block_tables[i, : -(-ctx // bs)].long()
-                    ks = k_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
-                    vs = v_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
-                qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-                kpos = torch.arange(ctx, device=q.device)
-                dist = (kpos[None, :] - qpos[:, None]).float()
-                bias = alibi_slopes[:, None, None] * dist
-                bias = bias.masked_fill(dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=bias, scale=scale,
-                                                   enable_gqa=gqa)
-            elif ctx == qlen:  # nothing cached before: attend to this chunk only
-                ks = k[rows].transpose(0, 1).unsqueeze(0)
-                vs = v[rows].transpose(0, 1).unsqueeze(0)
+            if ctx == qlen:  # nothing cached before: attend to this chunk only
+                ks, vs = k[rows], v[rows]
+            else:
+                table = meta.block_tables[i, : -(-ctx // bs)].long()
+                ks = k_cache.index_select(0, table).view(-1, hkv, dim)[:ctx]
+                vs = v_cache.index_select(0, table).view(-1, hkv, dim)[:ctx]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            if alibi_slopes is None and ctx == qlen:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=gqa)
             else:
-                table = meta.block_tables[i, : -(-ctx // bs)].long()
-                ks = k_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
-                vs = v_cache[table].view(-1, hkv, dim)[:ctx].transpose(0, 1).unsqueeze(0)
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)
-                kpos = torch.arange(ctx, device=q.device)
-                mask = kpos[None, :] <= qpos[:, None]
+                dist = torch.arange(ctx, device=q.device)[None, :] - qpos[:, None]
+                if alibi_slopes is None:
+                    mask = dist <= 0  # causal, offset by the cached prefix
+                else:
+                    mask = (alibi_slopes[:, None, None] * dist.float()).masked_fill(
+                        dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                    enable_gqa=gqa)
             out[rows] = o.squeeze(0).transpose(0, 1)
