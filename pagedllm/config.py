@@ -73,6 +73,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     device: str | None = None
     enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or to save their memory)
+    # Schedule and launch step N+1 before reading step N's tokens, so that the host's work
+    # overlaps the device's. None: on for one CUDA device, off elsewhere (a CPU computes
+    # the step itself, so there is nothing to overlap).
+    async_scheduling: bool | None = None
     hf_overrides: dict = field(default_factory=dict)
 
     @classmethod

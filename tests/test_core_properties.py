@@ -2,7 +2,9 @@
 
 A fake model samples random tokens; after every step we check: no block is owned twice
 or leaked (ref counts equal table membership, free + owned = pool), the token budget and
-the sequence cap hold, and in the end every request finishes and the pool is whole.
+the sequence cap hold, and in the end every request finishes and the pool is whole. With
+`lookahead` each step is scheduled before the previous one's tokens come back, as async
+scheduling does.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ workload = st.fixed_dictionaries({
     "seed": st.integers(0, 2**16),
     "requests": st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(0, 3)),
                          min_size=1, max_size=12),
+    "lookahead": st.booleans(),
 })
 
 
@@ -60,8 +63,9 @@ def test_scheduler_invariants(w):
             assert min(len(prompt) + max_tokens, max_len) > kv.num_blocks * kv.block_size
             continue
         reqs.append(req)
+    in_flight = None  # (scheduler output, sampled tokens) of the step not yet taken in
     for _ in range(5000):
-        if not sched.has_unfinished():
+        if not sched.has_unfinished() and in_flight is None:
             break
         out = sched.schedule()
         assert out.num_batched_tokens <= w["budget"]
@@ -72,11 +76,20 @@ def test_scheduler_invariants(w):
             req = sched.requests[c.request_id]
             # Every token of the chunk has a slot in the request's blocks.
             assert len(c.block_table) * kv.block_size >= c.start + c.num_tokens
+            # Nothing past the tokens sampled so far (known or in flight) is computed.
+            assert c.start + c.num_tokens <= req.num_tokens + req.num_pending
+            assert req.num_pending <= 2
+            assert req.num_output_tokens + req.num_pending <= req.max_tokens
         check_pool(kv)
         if rng.random() < 0.05 and sched.running:  # occasional abort
             sched.abort(rng.choice(sched.running).request_id)
         sampled = {c.request_id: rng.randrange(50) for c in out.chunks if c.sample}
-        sched.update(out, sampled)
+        if w["lookahead"]:
+            if in_flight is not None:
+                sched.update(*in_flight)
+            in_flight = (out, sampled) if out.chunks else None
+        else:
+            sched.update(out, sampled)
         check_pool(kv)
     else:
         raise AssertionError("requests did not finish")

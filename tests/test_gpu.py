@@ -76,3 +76,27 @@ def test_cuda_graphs_match_eager(tiny_models):
         assert (llm.engine.runner.graphs is None) == eager
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+def test_cuda_async_scheduling_matches_in_step(tiny_models):
+    """On CUDA the next step is launched (graph replay included) before the host has read
+    the tokens it feeds on: greedy and seeded outputs, logprobs and preemptions as in step."""
+    path, _ = tiny_models("qwen2")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(40, seed=17)]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, seed=9, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=9, ignore_eos=True)]
+    plist = [params[i % 3] for i in range(len(prompts))]
+    runs = []
+    for asyn in (False, True):
+        for blocks in (512, 48):  # 48 blocks of 16: preemptions
+            llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda",
+                      num_kv_blocks=blocks, async_scheduling=asyn, max_num_seqs=64)
+            assert llm.engine.async_scheduling == asyn and llm.engine.runner.graphs is not None
+            outs = llm.generate(prompts, plist)
+            runs.append([[(o.token_ids, [sorted(d) for d in (o.logprobs or [])]) for o in r.outputs]
+                         for r in outs])
+            assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+            if blocks == 48:
+                assert llm.engine.scheduler.num_preemptions_total > 0
+    assert runs[0] == runs[2] and runs[1] == runs[3]

@@ -621,3 +621,35 @@ def test_bench_serve_measures_a_running_server(engine, tmp_path, pacing):
     assert r["output_throughput"] > 0 and r["request_throughput"] > 0
     assert saved["server"]["model"] == MODEL and saved["environment"]["git"] is not None
     json.dumps(saved, allow_nan=False)  # plain JSON: no Infinity
+
+
+def test_bench_serve_on_random_weights_with_a_word_tokenizer(tmp_path):
+    """How gpu-7b's serving latency is measured: an architecture config with random
+    weights, a word-per-id tokenizer, prompts drawn from the vocabulary."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints.bench import build_parser
+    from pagedllm.entrypoints.bench_workloads import write_arch_config, write_word_tokenizer
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}
+    path = write_arch_config(config, str(tmp_path))
+    write_word_tokenizer(path, 300)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = [0, 299, 17, 42]
+    assert tok.decode(ids) == "w0 w299 w17 w42" and tok.encode("w0 w299 w17 w42", add_special_tokens=False) == ids
+    e = AsyncEngine.from_config(EngineConfig(model=path, load_format="dummy", served_model_name=[MODEL],
+                                             num_kv_blocks=64))
+    out = tmp_path / "serve.json"
+    try:
+        with serve(make_app(e, api_key=None)) as u:
+            args = build_parser().parse_args([
+                "serve", "--base-url", u, "--num-prompts", "4", "--input-len", "12",
+                "--output-len", "6", "--warmup", "1", "--prompt-vocab-size", "300",
+                "--max-concurrency", "2", "--output-json", str(out)])
+            args.bench_run(args)
+    finally:
+        e.shutdown()
+    r = json.loads(out.read_text())["results"]
+    assert (r["completed"], r["total_input_tokens"], r["total_output_tokens"]) == (4, 48, 24)

@@ -127,7 +127,9 @@ class KVCacheManager:
         """Register the blocks of `req` that its computed tokens have filled."""
         if not self.enable_prefix_caching:
             return
-        n_full = req.num_computed_tokens // self.block_size
+        # Only tokens whose ids are known can be hashed (a step in flight may have computed
+        # more); their KV is written by steps that run before any step that could read it.
+        n_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         start = self._num_hashed.get(req.request_id, 0)
         if n_full <= start:
             return

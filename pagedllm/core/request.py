@@ -46,7 +46,10 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it returns
+    # Tokens sampled by steps still in flight (async scheduling): their ids are not known
+    # on the host yet, but the next step can already compute them, from device memory.
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -106,10 +106,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
-        if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
+        self._remove(req)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
@@ -138,7 +135,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            end = req.num_tokens + req.num_pending  # pending tokens can be computed already
+            if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
+                                    or end >= self.max_model_len):
+                i += 1  # its last token is in flight: nothing left to compute
+                continue
+            n = min(end - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -153,6 +155,8 @@ class Scheduler:
         if out.num_preemptions == 0:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_pending:
+                    break  # preempted with a token in flight: its prefill needs that token's id
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit_tokens, budget)
                 if not self.kv.allocate_slots(req, n, hits):
@@ -178,40 +182,63 @@ class Scheduler:
                         req.sampling_params,
                     )
                 )
+            sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
             out.chunks.append(
                 ScheduledChunk(
                     req.request_id,
                     req.num_computed_tokens,
                     n,
                     self.kv.block_table(req.request_id),  # read by the runner this step
-                    req.num_computed_tokens + n == req.num_tokens,
+                    sample,
                 )
             )
+            # Advanced now, so that the next step can be scheduled before this one returns.
+            req.num_computed_tokens += n
+            if sample:
+                req.num_pending += 1
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
     # ------------------------------------------------------------------ results
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, int | None]]:
-        """Advance requests by what the step computed; append sampled tokens and apply
-        token-level stop rules. Returns (request, new token or None) for each request
-        that got a token or finished."""
+        """Take in what a step sampled: append the tokens and apply token-level stop rules.
+        Returns (request, new token) for each request that got a token.
+
+        With async scheduling a later step may already be scheduled (or running) when this
+        is called: a request that stops here computed one token too many there, which is
+        simply never read. A request preempted after this step was scheduled keeps its
+        token (it was computed from a valid context)."""
         results: list[tuple[Request, int | None]] = []
         for chunk in out.chunks:
+            if not chunk.sample:
+                continue
             req = self.requests.get(chunk.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(req)
+            if req is None or req.is_finished:
+                continue  # aborted or stopped while the step ran
+            req.num_pending -= 1
             token = sampled.get(chunk.request_id)
             if token is None:
-                continue
+                continue  # failed alone: the engine aborts it
             req.output_token_ids.append(token)
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(req)
             status = self._check_stop(req, token)
             if status is not None:
-                self.running.remove(req)
+                self._remove(req)
                 self._finish(req, status)
             results.append((req, token))
+        for chunk in out.chunks:  # prefill chunks that sample nothing still fill blocks
+            if not chunk.sample:
+                req = self.requests.get(chunk.request_id)
+                if req is not None and req.status == RequestStatus.RUNNING:
+                    self.kv.cache_full_blocks(req)
         return results
+
+    def _remove(self, req: Request) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         n_out = req.num_output_tokens
@@ -231,10 +258,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        self._remove(req)
         req.stop_reason = stop
         self._finish(req, RequestStatus.FINISHED_STOPPED)
 

@@ -95,6 +95,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, source.path)
         self._num_seqs: dict[str, int] = {}
+        auto = on_gpu and hasattr(self.runner, "runner")  # one device, in this process
+        self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
+        self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
+        self._stashed: list[RequestOutput] = []  # read after a later step failed to launch
+        self._penalized: set[str] = set()  # sequences whose sampling needs their full history
         self.metrics = EngineMetrics(config.model_name)
         self.metrics.update_pool(self.stats())
 
@@ -154,7 +159,7 @@ class LLMEngine:
             raise ValueError(f"logprobs must be at most 20, got {params.logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
             raise ValueError(f"prompt_logprobs must be at most 20, got {params.prompt_logprobs}")
-        if request_id in self._num_seqs:
+        if request_id in self._num_seqs or self._in_flight(request_id, params.n):
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -185,8 +190,16 @@ class LLMEngine:
                 self.scheduler.release(req.request_id)
             raise
         self._num_seqs[request_id] = params.n
+        self._penalized.update(r.request_id for r in children if r.sampling_params.needs_penalties)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.output_processor.add(request_id, prompt, prompt_token_ids, [r.sampling_params for r in children])
+
+    def _in_flight(self, request_id: str, n: int) -> bool:
+        """An aborted request's last step may still be running: its id is not free yet."""
+        if self._inflight is None:
+            return False
+        ids = {c.request_id for c in self._inflight[0].chunks}
+        return any(child_id(request_id, i, n) in ids for i in range(n))
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """End a request now and free its blocks; `reason` is its finish reason ("abort",
@@ -198,12 +211,15 @@ class LLMEngine:
             cid = child_id(request_id, i, n)
             self.scheduler.abort(cid)
             self.scheduler.release(cid)
+            self._penalized.discard(cid)
         self.metrics.request_finished(reason)
         self.metrics.update_pool(self.stats())
         return self.output_processor.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """A step still in flight whose requests have all ended (it computed one token past
+        their end) does not count: the next step reads it, or nobody needs to."""
+        return self.scheduler.has_unfinished() or bool(self._stashed)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -212,18 +228,57 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine iteration. With `final_only`, outputs are built only for requests
         that finished (the offline API needs nothing else, and skipping the per-step
-        copies keeps the loop lean at hundreds of sequences)."""
+        copies keeps the loop lean at hundreds of sequences).
+
+        Under async scheduling a step schedules and launches step N+1, then reads step N
+        (launched by the previous call): the host's scheduling, layout and output work
+        runs while the device computes. A request whose sampling needs its whole history
+        on the host (penalties) turns the overlap off while it runs."""
+        outputs, self._stashed = self._stashed, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._penalized:
+            outputs += self._complete(*prev, final_only)
+            prev = None
         so = self.scheduler.schedule()
         if so.is_empty and not so.finished_req_ids:
-            return []
+            if prev is not None:
+                outputs += self._complete(*prev, final_only)
+            return outputs
         try:
-            out = self.runner.execute(so)  # an empty step lets the worker drop aborted requests
+            # An empty step still lets the worker drop aborted requests.
+            handle = self.runner.launch(so) if self.async_scheduling else self.runner.execute(so)
         except ExecutorDeadError:
             raise  # not this step's fault: nothing can run any more, every request must end
         except Exception as e:
-            owners = self.output_processor.seq_owner
-            ids = {owners[c.request_id][0]: None for c in so.chunks if c.request_id in owners}
-            raise StepError(list(ids)) from e
+            if prev is not None:  # its tokens are good: delivered by the next call
+                outputs += self._complete(*prev, final_only)
+            self._stashed = outputs
+            raise StepError(self._owners(so)) from e
+        if not self.async_scheduling:
+            return outputs + self._process(so, handle, final_only)
+        if so.is_empty:
+            handle.result()
+        else:
+            self._inflight = (so, handle)
+        if prev is not None:
+            outputs += self._complete(*prev, final_only)
+        return outputs
+
+    def _owners(self, so) -> list[str]:
+        owners = self.output_processor.seq_owner
+        return list({owners[c.request_id][0]: None for c in so.chunks if c.request_id in owners})
+
+    def _complete(self, so, handle, final_only: bool) -> list[RequestOutput]:
+        """Wait for a launched step and turn its tokens into outputs."""
+        try:
+            out = handle.result()
+        except ExecutorDeadError:
+            raise
+        except Exception as e:
+            raise StepError(self._owners(so)) from e
+        return self._process(so, out, final_only)
+
+    def _process(self, so, out, final_only: bool) -> list[RequestOutput]:
         if so.is_empty:
             return []
         failed = []
@@ -257,6 +312,7 @@ class LLMEngine:
                 self.scheduler.finish_by_stop_string(sid, hit)
             if req.is_finished:
                 self.scheduler.release(sid)
+                self._penalized.discard(sid)
             touched[proc.parent_id(sid)[0]] = None
         m = self.metrics
         m.generation_tokens.inc(len(results))

@@ -66,6 +66,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help=f"prompt tokens (default {DEFAULT_INPUT_LEN})")
     w.add_argument("--output-len", type=int, default=DEFAULT_OUTPUT_LEN,
                    help=f"output tokens per request (default {DEFAULT_OUTPUT_LEN})")
+    w.add_argument("--prompt-vocab-size", type=int, metavar="N",
+                   help="draw prompt ids uniformly from [0, N) instead of from the server's "
+                        "tokenization of a text (random-weight models with a word tokenizer)")
     w.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy)")
     w.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     w.add_argument("--request-rate", type=float, default=math.inf,
@@ -194,8 +197,11 @@ async def _run(args: argparse.Namespace) -> dict:
         models = await server.get("/v1/models")
         model = args.model or models["data"][0]["id"]
         version = (await server.get("/version")).get("version")
-        pool = (await server.post("/tokenize", {"prompt": _SOURCE_TEXT,
-                                                "add_special_tokens": False}))["tokens"]
+        if args.prompt_vocab_size:
+            pool = list(range(args.prompt_vocab_size))
+        else:
+            pool = (await server.post("/tokenize", {"prompt": _SOURCE_TEXT,
+                                                    "add_special_tokens": False}))["tokens"]
         rng = random.Random(args.seed)
         prompts = _prompts(pool, args.num_prompts + args.warmup, args.input_len, rng)
         chat = args.endpoint == "chat"

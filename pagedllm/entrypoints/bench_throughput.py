@@ -85,6 +85,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-memory", help="CPU KV pool, e.g. 4GiB")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="overlap scheduling with the device's step (default: on for one CUDA device)")
     e.add_argument("--disable-detokenize", action="store_true",
                    help="skip incremental detokenization (always skipped without a tokenizer)")
 
@@ -204,6 +206,7 @@ class EngineBackend:
             "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "enable_prefix_caching": args.enable_prefix_caching, "device": args.device,
+            "async_scheduling": args.async_scheduling,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }
         if args.kv_cache_memory is not None:
@@ -237,7 +240,7 @@ class EngineBackend:
         return elapsed
 
     def info(self) -> dict:
-        return {}
+        return {"async_scheduling": self.llm.engine.async_scheduling}
 
     def close(self) -> None:
         del self.llm  # frees the KV pool: the baseline needs the memory on GPU

@@ -94,6 +94,21 @@ def write_arch_config(config: dict, directory: str | None = None) -> str:
     return directory
 
 
+def write_word_tokenizer(directory: str, vocab_size: int) -> None:
+    """A tokenizer for random-weight models in a server: id i is the word `w<i>`, so every
+    id the model samples streams as text and every prompt of such words round-trips.
+    Real tokenizers would not fit an arbitrary architecture's vocabulary size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "w0",
+                   "model_max_length": 1 << 20}, f)
+
+
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
     """`--input-len 256 --range-ratio 0.5` -> (128, 384), as `vllm bench`'s random dataset."""
     if not 0.0 <= range_ratio < 1.0:

@@ -30,7 +30,24 @@ class Executor(Protocol):
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
     def capture_graphs(self, max_num_seqs: int) -> None: ...
     def execute(self, so: SchedulerOutput) -> RunnerOutput: ...
+    def launch(self, so: SchedulerOutput) -> StepHandle: ...
     def shutdown(self) -> None: ...
+
+
+class StepHandle(Protocol):
+    """A step started by `launch`; `result()` waits for it (called once)."""
+
+    def result(self) -> RunnerOutput: ...
+
+
+class DoneStep:
+    """A step that already ran to the end (executors that cannot overlap steps)."""
+
+    def __init__(self, out: RunnerOutput):
+        self.out = out
+
+    def result(self) -> RunnerOutput:
+        return self.out
 
 
 class RankGroupExecutor:
@@ -62,6 +79,9 @@ class RankGroupExecutor:
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self._run("execute", (so,))[0]
+
+    def launch(self, so: SchedulerOutput) -> StepHandle:
+        return DoneStep(self.execute(so))
 
     def shutdown(self) -> None:
         self._finalizer()

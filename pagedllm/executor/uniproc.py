@@ -41,5 +41,9 @@ class UniprocExecutor:
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(so)
 
+    def launch(self, so: SchedulerOutput):
+        """Queued on the device, not waited for: the engine reads it after its next launch."""
+        return self.runner.launch(so)
+
     def shutdown(self) -> None:
         pass

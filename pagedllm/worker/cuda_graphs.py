@@ -10,6 +10,8 @@ one key of block 0, and their logits are ignored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -33,12 +35,18 @@ class DecodeGraphs:
         self._off = {name: i * stride for i, name in enumerate(("ids", "pos", "slots", "q_start", "q_len", "ctx"))}
         self._off["tables"] = 6 * stride
         n = 6 * stride + b * w
-        self.host_t = torch.zeros(n, dtype=torch.int32).pin_memory()
-        self.host = self.host_t.numpy()
+        # Two pinned host buffers used in turn: with async scheduling the next step is laid
+        # out while the previous copy may still be queued, so a buffer is only rewritten
+        # once the event recorded after its own copy has passed.
+        self._hosts = [torch.zeros(n, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._copied = [None, None]
+        self._turn = 0
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
-        self.host[self._off["q_start"] : self._off["q_start"] + b] = np.arange(b)
-        self.host[self._off["q_len"] : self._off["q_len"] + b] = 1
-        self._reset_padding(0)
+        for host_t in self._hosts:
+            self.host_t, self.host = host_t, host_t.numpy()
+            self.host[self._off["q_start"] : self._off["q_start"] + b] = np.arange(b)
+            self.host[self._off["q_len"] : self._off["q_len"] + b] = 1
+            self._reset_padding(0)
         self.dev.copy_(self.host_t)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -78,19 +86,30 @@ class DecodeGraphs:
             off = self._off[name]
             h[off + start : off + self.max_batch] = value
 
-    def run(self, arrays: dict[str, np.ndarray]) -> torch.Tensor | None:
-        """Replay the graph for a decode-only step; None if it does not fit one."""
+    def run(self, arrays: dict[str, np.ndarray],
+            before_replay: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Replay the graph for a decode-only step; None if it does not fit one.
+        `before_replay` may still change the input ids on the device (tokens that the
+        previous step sampled and the host has not read yet)."""
         n = len(arrays["ids"])
         tables = arrays["tables"]
         if n > self.max_batch or tables.shape[1] > self.width:
             return None
         size = next(s for s in self.sizes if s >= n)
-        h = self.host
+        self._turn ^= 1
+        self.host_t = self._hosts[self._turn]
+        self.host = h = self.host_t.numpy()
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
         for name, key in (("ids", "ids"), ("pos", "positions"), ("slots", "slots"), ("ctx", "ctx_len")):
             off = self._off[name]
             h[off : off + n] = arrays[key]
         self._reset_padding(n)
         self._tables(h)[:n, : tables.shape[1]] = tables
         self.dev.copy_(self.host_t, non_blocking=True)
+        done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
+        done.record()
+        if before_replay is not None:
+            before_replay(self._field("ids", n))
         self.graphs[size].replay()
         return self.logits[size][:n]

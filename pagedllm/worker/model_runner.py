@@ -3,6 +3,11 @@
 The runner keeps, per request, what sampling needs across steps (all token ids, settings,
 its private generator when seeded), so the scheduler only sends each step which tokens to
 compute and where they live in the cache.
+
+A step is `launch`ed (everything queued on the device, nothing waited for) and its result
+read later. Under async scheduling the engine launches step N+1 before reading step N: a
+token step N sampled is then not known on the host when step N+1 is laid out, so step N+1
+takes it from the device tensor step N sampled into (`_prev_tokens`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
-from pagedllm.model_executor.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
+from pagedllm.model_executor.layers.sampler import (
+    SampledTensors,
+    Sampler,
+    SamplingBatch,
+    prompt_logprobs,
+)
 from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.sampling_params import SamplingParams
 
@@ -34,6 +44,7 @@ class _ReqState:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_lp_next: int = 1  # next prompt position whose logprob is still owed
+    num_pending: int = 0  # sampled by launched steps whose results are not read yet
 
 
 @dataclass
@@ -44,14 +55,44 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
 
 
-def _non_finite_rows(logits: torch.Tensor) -> set[int]:
-    """Rows with a NaN or +inf logit, or no finite one: nothing can be sampled from them.
-    One reduction, and a host sync only to read a single flag."""
-    top = logits.amax(-1)  # NaN propagates; +inf wins; -inf only when all are -inf
-    ok = torch.isfinite(top)
-    if bool(ok.all()):
-        return set()
-    return set((~ok).nonzero().flatten().tolist())
+class LaunchedStep:
+    """A step queued on the device. `result()` waits for its sampled tokens (copied to
+    pinned host memory behind an event, so waiting blocks on this step alone) and turns
+    them into a RunnerOutput; it is called exactly once."""
+
+    def __init__(self, runner: ModelRunner, out: RunnerOutput, sample_ids: list[str],
+                 sampled: SampledTensors | None, valid: torch.Tensor | None):
+        self.runner, self.out, self.sample_ids = runner, out, sample_ids
+        self.sampled, self.valid = sampled, valid
+        self.event = None
+        if sampled is not None and runner.device.type == "cuda":
+            self.sampled = sampled.to(torch.device("cpu"), non_blocking=True)
+            self.valid = valid.to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> RunnerOutput:
+        out, runner = self.out, self.runner
+        if self.sampled is None:
+            return out
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = broadcast_from_first(self.sampled.token_ids.tolist(), runner.device)  # TP ranks keep one history
+        sampled = self.sampled.to_output(tokens)
+        valid = self.valid.tolist()
+        for i, rid in enumerate(self.sample_ids):
+            st = runner.states.get(rid)
+            if st is None:
+                continue  # finished while this step ran: nothing to keep
+            st.num_pending -= 1
+            if not valid[i]:  # this request fails alone; the rest of the batch goes on
+                out.failed[rid] = "the model produced non-finite logits (NaN or inf)"
+                continue
+            st.token_ids.append(tokens[i])
+            out.sampled[rid] = tokens[i]
+            if sampled.logprobs[i] is not None:
+                out.logprobs[rid] = sampled.logprobs[i]
+        return out
 
 
 def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
@@ -85,6 +126,9 @@ class ModelRunner:
         self.states: dict[str, _ReqState] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists (CUDA only)
+        # Tokens sampled by the latest launched step, on the device, and each request's row.
+        self._prev_tokens: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     # ------------------------------------------------------------------ memory
     @property
@@ -185,11 +229,18 @@ class ModelRunner:
         width = max(len(c.block_table) for c in chunks)
         tables = np.zeros((n, width), dtype=np.int32)
         ids: list[int] = []
+        fill_rows: list[int] = []
+        fill_src: list[int] = []
         for i, c in enumerate(chunks):
             tables[i, : len(c.block_table)] = c.block_table
             toks = self.states[c.request_id].token_ids
             if c.num_tokens == 1:
-                ids.append(toks[c.start])
+                if c.start < len(toks):
+                    ids.append(toks[c.start])
+                else:  # sampled by the step still in flight: filled in on the device
+                    fill_rows.append(len(ids))
+                    fill_src.append(self._prev_rows[c.request_id])
+                    ids.append(0)
             else:
                 ids.extend(toks[c.start : c.start + c.num_tokens])
         total = int(lens.sum())
@@ -198,7 +249,19 @@ class ModelRunner:
         slots = tables[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
         arrays = {"ids": np.asarray(ids, dtype=np.int64), "positions": positions, "slots": slots,
                   "q_start": q_start, "q_len": lens, "ctx_len": starts + lens, "tables": tables}
+        if fill_rows:
+            arrays["fill"] = np.array([fill_rows, fill_src], dtype=np.int64)
         return lens, arrays, total
+
+    def _fill_pending(self, ids: torch.Tensor, arrays: dict[str, np.ndarray]) -> None:
+        """Write the tokens the previous (unread) step sampled into this step's input ids."""
+        fill = arrays.get("fill")
+        if fill is None:
+            return
+        idx = torch.from_numpy(fill)
+        if self.device.type == "cuda":
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        ids.index_copy_(0, idx[0], self._prev_tokens.index_select(0, idx[1]).to(ids.dtype))
 
     def _metadata(self, arrays: dict[str, np.ndarray], num_decode: int) -> tuple:
         """Move one step's arrays to the device in a single copy and build the metadata."""
@@ -244,11 +307,19 @@ class ModelRunner:
             meta.slot_mapping = slots.long()
         return ids, pos, meta
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Queue one step on the device. Nothing here waits for the device unless the step
+        owes prompt logprobs (rare: those are read at once)."""
         self._update_states(so)
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
+        out = RunnerOutput()
+        if not chunks:
+            return LaunchedStep(self, out, [], None, None)
         lens, arrays, _ = self._layout(chunks)
         row_ends = arrays["q_start"] + lens
         sample_rows: list[int] = []
@@ -262,41 +333,36 @@ class ModelRunner:
 
         graph_logits = None
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows:
-            graph_logits = self.graphs.run(arrays)
+            graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
         if graph_logits is None:
             ids, pos, meta = self._metadata(arrays, num_decode)
+            self._fill_pending(ids, arrays)
             hidden = self.model(ids, pos, self.kv_caches, meta)
 
-        out = RunnerOutput()
         for rid, (rows_, targets) in plp_rows.items():
             k = self.states[rid].params.prompt_logprobs
             logits = self.model.compute_logits(hidden[rows_])
             out.prompt_logprobs[rid] = prompt_logprobs(logits, torch.tensor(targets, device=self.device), k)
         if not sample_rows:
-            return out
-        rows = torch.tensor(sample_rows, device=self.device)
+            self._prev_tokens, self._prev_rows = None, {}
+            return LaunchedStep(self, out, [], None, None)
+        rows = torch.from_numpy(np.asarray(sample_rows, dtype=np.int64))
+        if self.device.type == "cuda":
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
         if graph_logits is not None:
             logits = graph_logits.index_select(0, rows)
         else:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-        bad = _non_finite_rows(logits)
-        if bad:  # those requests fail alone; the rest of the batch samples as usual
-            for i in bad:
-                out.failed[sample_ids[i]] = "the model produced non-finite logits (NaN or inf)"
-            keep = [i for i in range(len(sample_ids)) if i not in bad]
-            if not keep:
-                return out
-            logits = logits[torch.tensor(keep, device=self.device)]
-            sample_ids = [sample_ids[i] for i in keep]
+        # NaN propagates through amax and +inf wins; -inf only when all are -inf: a row
+        # with none finite cannot be sampled from. Read with the tokens, not here.
+        valid = torch.isfinite(logits.amax(-1))
         states = [self.states[r] for r in sample_ids]
-        result = self.sampler(logits, self._sampling_batch(states, logits.shape[-1]))
-        tokens = broadcast_from_first(result.token_ids, self.device)  # TP ranks keep one history
-        for rid, st, tok, lp in zip(sample_ids, states, tokens, result.logprobs, strict=True):
-            st.token_ids.append(tok)
-            out.sampled[rid] = tok
-            if lp is not None:
-                out.logprobs[rid] = lp
-        return out
+        sampled = self.sampler.sample(logits, self._sampling_batch(states, logits.shape[-1]), valid)
+        for st in states:
+            st.num_pending += 1
+        self._prev_tokens = sampled.token_ids
+        self._prev_rows = {rid: i for i, rid in enumerate(sample_ids)}
+        return LaunchedStep(self, out, sample_ids, sampled, valid)
 
     def _owe_prompt_logprobs(self, c, row: int, plp_rows: dict) -> None:
         """Rows of this chunk whose logits give prompt logprobs not yet reported
@@ -329,6 +395,9 @@ class ModelRunner:
             if any(p.min_p > 0.0 for p in params):
                 b.min_p = torch.tensor([p.min_p for p in params], device=dev)
         if any(p.needs_penalties for p in params):
+            if any(s.num_pending for s in states):
+                raise RuntimeError("penalties need every sampled token on the host: "
+                                   "such requests must run without async scheduling")
             b.presence = torch.tensor([p.presence_penalty for p in params], device=dev)
             b.frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
             b.repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
@@ -348,7 +417,7 @@ class ModelRunner:
                 rows.append(i)
                 toks.append(t)
                 vals.append(v)
-            if len(s.token_ids) - s.num_prompt < p.min_tokens:
+            if len(s.token_ids) + s.num_pending - s.num_prompt < p.min_tokens:
                 for t in p._all_stop_token_ids:
                     rows.append(i)
                     toks.append(t)

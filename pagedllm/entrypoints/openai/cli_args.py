@@ -119,6 +119,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     e.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     e.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="schedule the next step while the device runs this one "
+                   "(default: on for one CUDA device; requests with penalties run in step)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
@@ -169,7 +172,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
-             "device", "enforce_eager"]
+             "device", "enforce_eager", "async_scheduling"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
 

@@ -45,6 +45,43 @@ class SamplerOutput:
     logprobs: list[tuple[list[int], list[float], list[int]] | None]
 
 
+@dataclass
+class SampledTensors:
+    """What a step sampled, still on the device: reading it is the step's only host sync,
+    so the engine can schedule and launch the next step before doing so."""
+
+    token_ids: torch.Tensor  # [N] int64
+    num_logprobs: list[int | None]
+    sel: torch.Tensor | None = None  # [N] logprob of the sampled token
+    ranks: torch.Tensor | None = None  # [N]
+    top_v: torch.Tensor | None = None  # [N, k]
+    top_i: torch.Tensor | None = None  # [N, k]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SampledTensors:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return SampledTensors(move(self.token_ids), self.num_logprobs, move(self.sel),
+                              move(self.ranks), move(self.top_v), move(self.top_i))
+
+    def to_output(self, token_ids: list[int] | None = None) -> SamplerOutput:
+        """Python lists (after the device-to-host copy has completed)."""
+        token_ids = self.token_ids.tolist() if token_ids is None else token_ids
+        out_lp: list = [None] * len(token_ids)
+        if self.sel is not None:
+            sel_l, ranks_l = self.sel.tolist(), self.ranks.tolist()
+            top_vl = self.top_v.tolist() if self.top_v is not None else None
+            top_il = self.top_i.tolist() if self.top_i is not None else None
+            for r, n in enumerate(self.num_logprobs):
+                if n is None:
+                    continue
+                ids = [token_ids[r]] + (top_il[r][:n] if n else [])
+                lps = [sel_l[r]] + (top_vl[r][:n] if n else [])
+                rks = [ranks_l[r]] + list(range(1, n + 1))
+                out_lp[r] = (ids, lps, rks)
+        return SamplerOutput(token_ids, out_lp)
+
+
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.repetition is not None and b.seen_mask is not None:
         rp = b.repetition[:, None].expand_as(logits)
@@ -93,6 +130,12 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        return self.sample(logits, b).to_output()
+
+    def sample(self, logits: torch.Tensor, b: SamplingBatch,
+               valid: torch.Tensor | None = None) -> SampledTensors:
+        """Sample on the device without synchronising. Rows where `valid` is False (their
+        logits were not finite) get token 0, so that no garbage id reaches an embedding."""
         logits = logits.float()
         want_lp = any(k is not None for k in b.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_lp else None
@@ -114,25 +157,18 @@ class Sampler:
             # right=True: token i wins for cdf[i-1] <= u < cdf[i], never a zero-probability one.
             drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
             sampled = torch.where(greedy, logits.argmax(-1), drawn)
+        if valid is not None:
+            sampled = torch.where(valid, sampled, torch.zeros_like(sampled))
 
-        token_ids = sampled.tolist()
-        out_lp: list = [None] * len(token_ids)
+        out = SampledTensors(sampled, b.num_logprobs)
         if want_lp:
             k = max(n or 0 for n in b.num_logprobs)
             sel = raw_logprobs.gather(-1, sampled[:, None])
-            ranks = (raw_logprobs > sel).sum(-1) + 1
-            top_v, top_i = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-            sel_l, ranks_l = sel.squeeze(-1).tolist(), ranks.tolist()
-            top_vl = top_v.tolist() if k else None
-            top_il = top_i.tolist() if k else None
-            for r, n in enumerate(b.num_logprobs):
-                if n is None:
-                    continue
-                ids = [token_ids[r]] + (top_il[r][:n] if n else [])
-                lps = [sel_l[r]] + (top_vl[r][:n] if n else [])
-                rks = [ranks_l[r]] + list(range(1, n + 1))
-                out_lp[r] = (ids, lps, rks)
-        return SamplerOutput(token_ids, out_lp)
+            out.sel = sel.squeeze(-1)
+            out.ranks = (raw_logprobs > sel).sum(-1) + 1
+            if k:
+                out.top_v, out.top_i = raw_logprobs.topk(k, dim=-1)
+        return out
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
