@@ -377,23 +377,55 @@ class ModelRunner:
                                       st.token_ids[lo + 1 : hi + 1])
             st.prompt_lp_next = hi + 1
 
+    def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Host arrays to the device without waiting for it: a plain `torch.tensor(...,
+        device=cuda)` copies from pageable memory and so waits for every queued kernel,
+        which would stall async scheduling until the previous step ends."""
+        tensors = [torch.from_numpy(a) for a in arrays]
+        if self.device.type != "cuda":
+            return tensors
+        return [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
+
     def _sampling_batch(self, states: list[_ReqState], vocab: int) -> SamplingBatch:
         dev = self.device
         params = [s.params for s in states]
         n = len(params)
-        b = SamplingBatch(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], device=dev),
-            generators=[s.generator for s in states],
-            num_logprobs=[p.logprobs for p in params],
-        )
+        b = SamplingBatch(temperature=None, generators=[s.generator for s in states],
+                          num_logprobs=[p.logprobs for p in params])
         b.all_greedy = all(p.greedy for p in params)
+        floats: dict[str, list[float]] = {"temperature": [0.0 if p.greedy else p.temperature for p in params]}
+        ints: dict[str, list[int]] = {}
         if not b.all_greedy:
             if any(p.top_k for p in params):
-                b.top_k = torch.tensor([p.top_k or vocab for p in params], device=dev)
+                ints["top_k"] = [p.top_k or vocab for p in params]
             if any(p.top_p < 1.0 for p in params):
-                b.top_p = torch.tensor([p.top_p for p in params], device=dev)
+                floats["top_p"] = [p.top_p for p in params]
             if any(p.min_p > 0.0 for p in params):
-                b.min_p = torch.tensor([p.min_p for p in params], device=dev)
+                floats["min_p"] = [p.min_p for p in params]
+        rows, toks, vals = [], [], []
+        for i, s in enumerate(states):
+            p = s.params
+            for t, v in (p.logit_bias or {}).items():
+                rows.append(i)
+                toks.append(t)
+                vals.append(v)
+            if len(s.token_ids) + s.num_pending - s.num_prompt < p.min_tokens:
+                for t in p._all_stop_token_ids:
+                    rows.append(i)
+                    toks.append(t)
+                    vals.append(float("-inf"))
+        if rows:
+            floats["bias_values"] = vals
+            ints["bias_rows"], ints["bias_tokens"] = rows, toks
+        # Two copies in all (floats, ints), each field a slice of one device buffer.
+        for fields, dtype in ((floats, np.float32), (ints, np.int64)):
+            if not fields:
+                continue
+            (flat,) = self._to_device(np.concatenate([np.asarray(v, dtype=dtype) for v in fields.values()]))
+            start = 0
+            for name, v in fields.items():
+                setattr(b, name, flat[start : start + len(v)])
+                start += len(v)
         if any(p.needs_penalties for p in params):
             if any(s.num_pending for s in states):
                 raise RuntimeError("penalties need every sampled token on the host: "
@@ -410,20 +442,4 @@ class ModelRunner:
                 counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=dev))
                 seen[i, torch.tensor(s.token_ids, dtype=torch.long, device=dev)] = True
             b.output_counts, b.seen_mask = counts, seen
-        rows, toks, vals = [], [], []
-        for i, s in enumerate(states):
-            p = s.params
-            for t, v in (p.logit_bias or {}).items():
-                rows.append(i)
-                toks.append(t)
-                vals.append(v)
-            if len(s.token_ids) + s.num_pending - s.num_prompt < p.min_tokens:
-                for t in p._all_stop_token_ids:
-                    rows.append(i)
-                    toks.append(t)
-                    vals.append(float("-inf"))
-        if rows:
-            b.bias_rows = torch.tensor(rows, device=dev)
-            b.bias_tokens = torch.tensor(toks, device=dev)
-            b.bias_values = torch.tensor(vals, device=dev)
         return b

@@ -1,0 +1,108 @@
+"""Where does a CUDA step wait for the device? Async scheduling only helps if nothing in
+schedule -> launch blocks on the queued kernels, so this runs a short random-weight
+workload with torch's sync debug mode on and lists every synchronising call site, then
+times the same workload with async scheduling on and off.
+
+    python benchmarks/host_sync_check.py [--workload gpu-0.6b] [--num-prompts 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import traceback
+import warnings
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.bench_workloads import WORKLOADS, write_arch_config
+
+_RESULT = None
+
+
+def instrument(engine) -> dict:
+    """Wall time spent in each part of the engine's step (host view)."""
+    from pagedllm.worker import model_runner
+
+    global _RESULT
+    _RESULT = _RESULT or model_runner.LaunchedStep.result
+    timers: dict = collections.defaultdict(lambda: [0, 0.0])
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers[name][0] += 1
+                timers[name][1] += time.perf_counter() - t
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.update = timed("update", engine.scheduler.update)
+    runner = engine.runner.runner
+    runner.launch = timed("launch", runner.launch)
+    runner.execute = timed("execute", runner.execute)
+    runner._layout = timed("layout", runner._layout)
+    runner._sampling_batch = timed("sampling_batch", runner._sampling_batch)
+    if runner.graphs is not None:
+        runner.graphs.run = timed("graph_run", runner.graphs.run)
+    runner.model.forward = timed("model_forward", runner.model.forward)
+    engine._process = timed("process", engine._process)
+    engine.step = timed("step", engine.step)
+    model_runner.LaunchedStep.result = timed("result(wait)", _RESULT)
+    return timers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--workload", default="gpu-0.6b", choices=["gpu-0.6b", "gpu-7b"])
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    args = p.parse_args()
+    path = write_arch_config(WORKLOADS[args.workload].arch_config)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 30000, (args.input_len,), generator=g).tolist()}
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+    rows = []
+    for asyn in (True, False):
+        llm = LLM(model=path, load_format="dummy", dtype="bfloat16", async_scheduling=asyn,
+                  skip_tokenizer_init=True, gpu_memory_utilization=0.4)
+        llm.generate(prompts[:8], params)  # warm-up
+        if asyn:
+            sites: collections.Counter = collections.Counter()
+
+            def record(message, category, filename, lineno, file=None, line=None, sites=sites):
+                stack = [f for f in traceback.extract_stack()[:-1] if "pagedllm" in f.filename]
+                sites[" <- ".join(f"{f.filename.split('pagedllm/')[-1]}:{f.lineno}" for f in stack[-3:][::-1])] += 1
+
+            warnings.showwarning = record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            llm.generate(prompts[:32], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+            torch.cuda.set_sync_debug_mode(0)
+            print("synchronising call sites (count):")
+            for site, n in sites.most_common(20):
+                print(f"  {n:6d}  {site}")
+        timers = instrument(llm.engine)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append((asyn, n / dt, dt, dict(timers)))
+        del llm
+        torch.cuda.empty_cache()
+    for asyn, tps, dt, timers in rows:
+        print(f"async_scheduling={asyn!s:5}  {tps:10.1f} output tok/s  {dt:.3f} s")
+        for name, (count, total) in sorted(timers.items()):
+            print(f"    {name:18s} {count:6d} calls {total * 1e3:9.1f} ms  {total / max(count, 1) * 1e3:7.3f} ms/call")
+
+
+if __name__ == "__main__":
+    main()
