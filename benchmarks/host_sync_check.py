@@ -71,7 +71,7 @@ def main() -> None:
     rows = []
     for asyn in (True, False):
         llm = LLM(model=path, load_format="dummy", dtype="bfloat16", async_scheduling=asyn,
-                  skip_tokenizer_init=True, gpu_memory_utilization=0.4)
+                  skip_tokenizer_init=True, kv_cache_memory="16GiB")
         llm.generate(prompts[:8], params)  # warm-up
         if asyn:
             sites: collections.Counter = collections.Counter()
