@@ -69,35 +69,35 @@ def main() -> None:
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
-    for asyn in (True, False):
-        llm = LLM(model=path, load_format="dummy", dtype="bfloat16", async_scheduling=asyn,
-                  skip_tokenizer_init=True, kv_cache_memory="16GiB")
-        llm.generate(prompts[:8], params)  # warm-up
-        if asyn:
-            sites: collections.Counter = collections.Counter()
+    llm = LLM(model=path, load_format="dummy", dtype="bfloat16", async_scheduling=True,
+              skip_tokenizer_init=True)
+    llm.generate(prompts[:8], params)  # warm-up
+    sites: collections.Counter = collections.Counter()
 
-            def record(message, category, filename, lineno, file=None, line=None, sites=sites):
-                stack = [f for f in traceback.extract_stack()[:-1] if "pagedllm" in f.filename]
-                sites[" <- ".join(f"{f.filename.split('pagedllm/')[-1]}:{f.lineno}" for f in stack[-3:][::-1])] += 1
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.extract_stack()[:-1] if "pagedllm" in f.filename]
+        sites[" <- ".join(f"{f.filename.split('pagedllm/')[-1]}:{f.lineno}" for f in stack[-3:][::-1])] += 1
 
-            warnings.showwarning = record
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            llm.generate(prompts[:32], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
-            torch.cuda.set_sync_debug_mode(0)
-            print("synchronising call sites (count):")
-            for site, n in sites.most_common(20):
-                print(f"  {n:6d}  {site}")
-        timers = instrument(llm.engine)
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    llm.generate(prompts[:32], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+    torch.cuda.set_sync_debug_mode(0)
+    print("synchronising call sites (count):")
+    for site, n in sites.most_common(20):
+        print(f"  {n:6d}  {site}")
+    timers = instrument(llm.engine)
+    for asyn in (True, False, True):
+        llm.engine.async_scheduling = asyn
+        llm.engine.step()  # reads a step left in flight
+        timers.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append((asyn, n / dt, dt, dict(timers)))
-        del llm
-        torch.cuda.empty_cache()
+        rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}))
     for asyn, tps, dt, timers in rows:
         print(f"async_scheduling={asyn!s:5}  {tps:10.1f} output tok/s  {dt:.3f} s")
         for name, (count, total) in sorted(timers.items()):
