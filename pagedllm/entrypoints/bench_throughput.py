@@ -43,7 +43,6 @@ DEFAULT_NUM_PROMPTS = 64
 DEFAULT_INPUT_LEN = 256
 DEFAULT_OUTPUT_LEN = 128
 DEFAULT_HF_BATCH_SIZE = 16
-WARMUP_PROMPT_LEN = 16
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -270,8 +269,9 @@ def _load(name: str, args: argparse.Namespace, cfg: ThroughputConfig, data: Rand
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if args.warmup > 0:
-        # Short prompts unrelated to the timed ones (seed + 1), a batch's worth.
-        backend.warmup(random_dataset(min(count, len(data)), (WARMUP_PROMPT_LEN,) * 2,
+        # Prompts unrelated to the timed ones (seed + 1), a batch's worth, of the workload's
+        # prompt lengths: kernels compiled for the prefill shapes are not timed either.
+        backend.warmup(random_dataset(min(count, len(data)), cfg.input_range,
                                       (args.warmup,) * 2, vocab, args.seed + 1))
     _sync(device)
     return backend, {"load_s": round(load_s, 2), "warmup_s": round(time.perf_counter() - t0, 2)}
