@@ -62,10 +62,17 @@ def _wna16_gemv(
     stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     stride_cs, stride_cm, stride_cn,
     BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_IN_GROUP: tl.constexpr,
 ):
     """One row (batch-1 decode): no tensor cores, so no operand shuffles through shared
     memory. Each plane of 16 rows is dequantized in registers and multiplied into a
-    [16, BLOCK_N] float32 accumulator of the same layout, reduced once at the end."""
+    [16, BLOCK_N] float32 accumulator of the same layout, reduced once at the end.
+
+    The kernel is bound by the arithmetic of unpacking, not by memory, so when a whole
+    tile lies in one group (TILE_IN_GROUP: group size a multiple of the tile, or one
+    group) the scale and zero point are applied once per tile instead of per weight:
+    sum_k a_k (q_k - z) s = s (sum_k a_k q_k - z sum_k a_k). Per weight that leaves shift,
+    mask, one float subtract and one multiply-add."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -81,19 +88,37 @@ def _wna16_gemv(
         k0 = pid_k * K_PER_SPLIT + k_step
         qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                      mask=(k0 < K) & n_mask[None, :], other=0)
-        for j in tl.static_range(PACK):
-            kj = k0 + j * ROWS  # value j of the tile's words: rows kj .. kj + 15
-            offs_k = kj + offs_r
-            k_mask = offs_k < K
-            if HAS_PERM:
-                cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-            else:
-                cols = offs_k
-            a = tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
-            # 16 | group_size (or a single group): the plane lies in one group.
-            s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
+        if TILE_IN_GROUP:
+            s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
-            acc += a[:, None] * _dequant(qw, j * BITS, z[None, :], s[None, :], BITS)
+            part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+            a_sum = tl.zeros((ROWS,), dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                offs_k = k0 + j * ROWS + offs_r
+                k_mask = offs_k < K
+                if HAS_PERM:
+                    cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+                else:
+                    cols = offs_k
+                a = tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
+                q = ((qw >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+                part += a[:, None] * (q.to(tl.float32, bitcast=True) - 8388608.0)
+                a_sum += a
+            acc += s[None, :] * (part - a_sum[:, None] * z[None, :])
+        else:
+            for j in tl.static_range(PACK):
+                kj = k0 + j * ROWS  # value j of the tile's words: rows kj .. kj + 15
+                offs_k = kj + offs_r
+                k_mask = offs_k < K
+                if HAS_PERM:
+                    cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+                else:
+                    cols = offs_k
+                a = tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
+                # 16 | group_size (or a single group): the plane lies in one group.
+                s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
+                                     stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+                acc += a[:, None] * _dequant(qw, j * BITS, z[None, :], s[None, :], BITS)
     out = tl.sum(acc, axis=0)
     tl.store(c_ptr + pid_k * stride_cs + offs_n * stride_cn, out.to(c_ptr.dtype.element_ty), mask=n_mask)
 
@@ -231,7 +256,8 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     if cfg["gemv"]:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
-        _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, **common)
+        in_group = group_size % tile_k == 0 or group_size >= k
+        _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, TILE_IN_GROUP=in_group, **common)
     else:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
         _wna16_gemm[grid](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
