@@ -6,6 +6,7 @@ Every spawned rank imports torch (seconds each), so the tests share processes wh
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -278,12 +279,239 @@ def test_server_tp2_serves_then_fails_clearly_when_a_worker_dies(tmp_path):
     assert _alive(workers) == []
 
 
-def test_quantized_checkpoints_refuse_tp_clearly(monkeypatch):
-    from hf_models import make_config
+# ---------------------------------------------------------------------- sharding on read
+class _CountingSafeOpen:
+    """safetensors.safe_open, recording the shape of every block read out of the file:
+    (tensor name, its full shape, the shape read)."""
+
+    real = None  # the original safe_open, set by the fixture
+
+    def __init__(self, reads: list, *args, **kwargs):
+        self.reads, self.handle = reads, type(self).real(*args, **kwargs)
+
+    def __enter__(self):
+        self.st = self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def keys(self):
+        return self.st.keys()
+
+    def get_tensor(self, name):
+        t = self.st.get_tensor(name)
+        self.reads.append((name, tuple(t.shape), tuple(t.shape)))
+        return t
+
+    def get_slice(self, name):
+        reads, sl = self.reads, self.st.get_slice(name)
+
+        class Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, index):
+                t = sl[index]
+                reads.append((name, tuple(sl.get_shape()), tuple(t.shape)))
+                return t
+
+        return Slice()
+
+
+@pytest.fixture
+def rank1_of_2(monkeypatch):
+    """Build layers as rank 1 of 2 in this process (no process group: loading needs none),
+    with every block read from a safetensors file recorded."""
+    import functools
+
+    import safetensors
+    import safetensors.torch  # noqa: F401  (binds the real safe_open for load_file/save_file)
+
+    from pagedllm.distributed import parallel_state
+
+    reads: list = []
+    monkeypatch.setattr(_CountingSafeOpen, "real", safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", functools.partial(_CountingSafeOpen, reads))
+    monkeypatch.setattr(parallel_state, "_state", parallel_state._State(1, 2))
+    return reads
+
+
+def _load_as_rank(path: str):
+    from pagedllm.attention import get_attention_backend
+    from pagedllm.model_executor.loader import load_model, resolve_source
+    from pagedllm.model_executor.loader.loader import load_hf_config
+
+    source = resolve_source(path)
+    cpu = torch.device("cpu")
+    return load_model(source, load_hf_config(source), 64, get_attention_backend(cpu), cpu, torch.float32)
+
+
+def test_loader_reads_only_the_ranks_slice(tiny_models, rank1_of_2):
+    """Each rank reads its block of every sharded tensor straight from the file (safetensors
+    get_slice): half of each projection, embedding and head; only norms are read whole."""
+    from safetensors.torch import load_file
+
+    path, _ = tiny_models("llama", num_key_value_heads=2)
+    model = _load_as_rank(path)
+    reads = rank1_of_2
+    assert reads and len({name for name, _, _ in reads}) == len(reads)  # each tensor read once
+    for name, full, got in reads:
+        assert math.prod(full) == (1 if "norm" in name else 2) * math.prod(got), name
+    full = load_file(f"{path}/model.safetensors")
+    layer = model.model.layers[1]
+    torch.testing.assert_close(layer.self_attn.o_proj.weight, full["model.layers.1.self_attn.o_proj.weight"][:, 32:])
+    torch.testing.assert_close(layer.mlp.gate_up_proj.weight,
+                               torch.cat([full[f"model.layers.1.mlp.{p}_proj.weight"][64:] for p in ("gate", "up")]))
+    torch.testing.assert_close(model.lm_head.weight, full["lm_head.weight"][128:])
+
+
+def test_quantized_loader_reads_only_the_ranks_slice(tmp_path, rank1_of_2):
+    """Packed tensors are cut on read too: qweight/scales/qzeros by packed output columns
+    (column-parallel) or by packed input rows and whole groups (row-parallel); the rank's
+    layers dequantize to its slice of the checkpoint's weights."""
+    from hf_models import save_tiny_model
+    from quant_packers import GPTQSpec, write_quantized_checkpoint
+
+    hf = save_tiny_model(str(tmp_path / "float"), "llama", hidden_size=128, intermediate_size=256)
+    ref = write_quantized_checkpoint(hf, str(tmp_path / "gptq"), GPTQSpec(4, 32, sym=False))
+    model = _load_as_rank(str(tmp_path / "gptq"))
+    for name, full, got in rank1_of_2:
+        # whole: norms, and g_idx of column-parallel layers (they read every input)
+        whole = "norm" in name or (name.endswith(".g_idx") and not any(r in name for r in ("o_proj", "down_proj")))
+        assert math.prod(full) == (1 if whole else 2) * math.prod(got), name
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    w = lambda n: ref[f"model.layers.0.{n}.weight"]  # noqa: E731
+    torch.testing.assert_close(attn.o_proj.dequantized_weight(), w("self_attn.o_proj")[:, 64:])
+    torch.testing.assert_close(mlp.down_proj.dequantized_weight(), w("mlp.down_proj")[:, 128:])
+    torch.testing.assert_close(attn.qkv_proj.dequantized_weight(),
+                               torch.cat([w("self_attn.q_proj")[64:], w("self_attn.k_proj")[32:],
+                                          w("self_attn.v_proj")[32:]]))
+
+
+# ---------------------------------------------------------------------- quantized weights
+def _as_rank(monkeypatch, rank: int, world: int = 2) -> None:
+    from pagedllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "_state", parallel_state._State(rank, world))
+
+
+def _quantized(spec, k: int, n: int):
+    """(checkpoint tensors, the float weight they encode) of one random [n, k] layer."""
+    import numpy as np
+    from quant_packers import GPTQSpec, quantize_awq, quantize_gptq
+
+    w = np.random.default_rng(0).normal(size=(n, k)).astype(np.float32)
+    if isinstance(spec, GPTQSpec):
+        tensors, deq = quantize_gptq(w, spec, np.random.default_rng(1).permutation(k))
+    else:
+        tensors, deq = quantize_awq(w, spec)
+    return {name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in tensors.items()}, torch.from_numpy(deq)
+
+
+def _quant_config(spec, desc_act: bool | None = None):
+    from quant_packers import GPTQSpec
 
     from pagedllm.model_executor.layers.quantization import QuantConfig
-    from pagedllm.model_executor.models import llama
 
-    monkeypatch.setattr(llama, "get_tp_world_size", lambda: 2)
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size > 1 with a GPTQ checkpoint"):
-        llama.ModelShape(make_config("llama"), "LlamaForCausalLM", QuantConfig.default("gptq"))
+    if isinstance(spec, GPTQSpec):
+        return QuantConfig("gptq", spec.bits, spec.group_size, spec.checkpoint_format,
+                           desc_act=spec.act_order if desc_act is None else desc_act)
+    return QuantConfig("awq", 4, spec.group_size, "awq")
+
+
+def _quant_layer_specs():
+    from quant_packers import AWQSpec, GPTQSpec
+
+    return [GPTQSpec(4, 32, act_order=True), GPTQSpec(8, 64, sym=False, act_order=True),
+            GPTQSpec(4, -1, act_order=True), GPTQSpec(2, 32, sym=False, checkpoint_format="gptq_v2"),
+            AWQSpec(32)]
+
+
+@pytest.mark.parametrize("spec", _quant_layer_specs(), ids=repr)
+def test_packed_layer_shards_are_slices_of_the_full_layer(monkeypatch, spec):
+    """Column-parallel ranks hold their output features, row-parallel ranks their input
+    features (act-order rows keep their group index into the whole table)."""
+    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+
+    k, n = 256, 64
+    tensors, deq = _quantized(spec, k, n)
+    act_order = getattr(spec, "act_order", False) and spec.group_size != -1
+    for rank in range(2):
+        _as_rank(monkeypatch, rank)
+        col = QuantizedLinear(k, {None: n}, False, _quant_config(spec))
+        row = QuantizedLinear(k, {None: n}, False, _quant_config(spec), row_parallel=True)
+        for layer in (col, row):
+            for name, t in tensors.items():
+                layer.load_shard(name, None, t)
+            layer.finish_loading()
+        assert torch.equal(col.dequantized_weight(), deq[rank * n // 2:(rank + 1) * n // 2])
+        assert torch.equal(row.dequantized_weight(), deq[:, rank * k // 2:(rank + 1) * k // 2])
+        assert (row.groups is not None) == act_order
+        assert row.qweight.shape == (k // 2 * getattr(spec, "bits", 4) // 32, n)  # only its rows read
+
+
+def test_act_order_config_with_groups_in_order_keeps_only_the_ranks_groups(monkeypatch):
+    """desc_act=true with g_idx in group order (static groups): the row-parallel rank
+    cuts the group table to its own groups and keeps the kernel's layout."""
+    from quant_packers import GPTQSpec
+
+    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+
+    spec = GPTQSpec(4, 32, sym=False)
+    tensors, deq = _quantized(spec, 256, 64)
+    _as_rank(monkeypatch, 1)
+    layer = QuantizedLinear(256, {None: 64}, False, _quant_config(spec, desc_act=True), row_parallel=True)
+    for name, t in tensors.items():
+        layer.load_shard(name, None, t)
+    layer.finish_loading()
+    assert layer.groups is None and layer.scales.shape == (4, 64)
+    assert torch.equal(layer.dequantized_weight(), deq[:, 128:])
+
+
+def test_packed_layouts_that_cannot_be_split_fail_clearly(monkeypatch):
+    from quant_packers import GPTQSpec
+
+    from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
+
+    _as_rank(monkeypatch, 0)
+    with pytest.raises(ValueError, match="whole groups"):  # 64 inputs a rank, groups of 128
+        QuantizedLinear(128, {None: 64}, False, QuantConfig("gptq", 4, 128), row_parallel=True)
+    with pytest.raises(ValueError, match="divisible by 8 on each of 2 ranks"):
+        QuantizedLinear(64, {None: 40}, False, QuantConfig("awq", 4, 32, "awq"))
+    spec = GPTQSpec(4, 32, act_order=True)  # act-order g_idx, but the config says desc_act=false
+    tensors, _ = _quantized(spec, 256, 64)
+    layer = QuantizedLinear(256, {None: 64}, False, _quant_config(spec, desc_act=False), row_parallel=True)
+    for name, t in tensors.items():
+        layer.load_shard(name, None, t)
+    with pytest.raises(ValueError, match="desc_act"):
+        layer.finish_loading()
+
+
+def _quant_model_specs():
+    from quant_packers import AWQSpec, GPTQSpec
+
+    return [GPTQSpec(4, 32, sym=False, act_order=True, lm_head=True), AWQSpec(64, not_converted=("mlp.down_proj",))]
+
+
+@pytest.mark.parametrize("spec", _quant_model_specs(), ids=repr)
+def test_tp2_quantized_greedy_equals_tp1(tmp_path, spec):
+    """A GPTQ checkpoint (act-order, quantized head) and an AWQ one (with a layer left in
+    float) generate the same greedy tokens split over two ranks as on one."""
+    from hf_models import save_tiny_model
+    from quant_packers import write_quantized_checkpoint
+
+    from pagedllm import LLM
+
+    hf = save_tiny_model(str(tmp_path / "float"), "llama", hidden_size=128, intermediate_size=256)
+    path = str(tmp_path / "quantized")
+    write_quantized_checkpoint(hf, path, spec)
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
+    want = _greedy(LLM(path, **kw))
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        assert _greedy(llm) == want
+    finally:
+        pids = llm.engine.runner.worker_pids
+        llm.engine.shutdown()
+    assert _alive(pids) == []

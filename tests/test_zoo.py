@@ -1,10 +1,12 @@
-"""Remote-code checkpoints (InternLM, InternLM2, Baichuan, Qwen v1, ChatGLM2/3) load from
+"""Remote-code checkpoints (InternLM, InternLM2/3, Baichuan, Qwen v1, ChatGLM2/3) load from
 their ORIGINAL layout without running their code, and generate exactly what the HF
-reference they were converted from generates (greedy tokens equal, logprobs close)."""
+reference they were converted from generates (greedy tokens equal, logprobs close); so do
+transformers' own GLM / GLM-4 checkpoints."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 
@@ -58,6 +60,17 @@ def test_internlm_v1_biases(tmp_path):
     _check(path, hf, _prompts(3, seed=2))
 
 
+def test_internlm3_head_dim_and_biases(tmp_path):
+    """InternLM3: Llama names, an explicit head_dim wider than hidden/heads, GQA, and
+    `qkv_bias` / `bias` on q/k/v, o_proj and the MLP."""
+    hf = _reference("llama", head_dim=32, attention_bias=True, mlp_bias=True, rope_theta=50000.0)
+    path = zc.to_internlm3(hf, str(tmp_path / "internlm3"))
+    _check(path, hf, _prompts(3, seed=9), max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="qkv_bias=True but bias=False"):
+        zoo_config({**json.loads((tmp_path / "internlm3" / "config.json").read_text()),
+                    "bias": False})
+
+
 def test_baichuan_7b_w_pack(tmp_path):
     hf = _reference("llama", num_key_value_heads=4)
     path = zc.to_baichuan(hf, str(tmp_path / "baichuan"), "BaiChuanForCausalLM")
@@ -94,6 +107,51 @@ def test_chatglm_half_interleaved_rotary(tmp_path):
     assert hf.config.rope_parameters.get("partial_rotary_factor") == 0.5
     path = zc.to_chatglm(hf, str(tmp_path / "chatglm"))
     _check(path, hf, _prompts(4, seed=6), max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("model_type", ["glm", "glm4"])
+def test_transformers_glm(tmp_path, model_type):
+    """transformers' own GlmForCausalLM / Glm4ForCausalLM checkpoints (save_pretrained):
+    fused gate_up_proj, q/k/v bias without o bias, half-head interleaved rotary, and for
+    Glm4 the norms after attention and MLP (given random weights, so each one counts)."""
+    hf = _reference(model_type, head_dim=16, pad_token_id=0, eos_token_id=2, rope_theta=20000.0)
+    assert hf.config.rope_parameters.get("partial_rotary_factor") == 0.5
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+        {"glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}[model_type]]
+    _check(str(tmp_path), hf, _prompts(4, seed=8), max_num_batched_tokens=16)
+
+
+# ------------------------------------------------------------------ Mistral sliding window
+def test_sliding_window_caps_context(tiny_models, caplog):
+    """Sliding-window attention is not implemented: the context is capped at the window,
+    where full attention equals the reference's windowed attention."""
+    path, hf = tiny_models("mistral", sliding_window=24)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
+        llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    assert llm.engine.max_model_len == 24
+    assert "sliding window of 24 tokens" in caplog.text and "capped to 24" in caplog.text
+    with pytest.raises(ValueError):  # no request runs past the window
+        llm.generate([{"prompt_token_ids": [1] * 24}], SamplingParams(max_tokens=1))
+    _check(path, hf, _prompts(3, seed=10, lo=8, hi=24 - MAX_NEW))
+    # a smaller context is the user's to choose; a larger one is refused, naming the window
+    small = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=16,
+                max_model_len=16)
+    assert small.engine.max_model_len == 16
+    with pytest.raises(ValueError, match="sliding window of 24 tokens"):
+        LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64, max_model_len=64)
+
+
+def test_no_cap_without_a_window_below_the_context(tiny_models):
+    """Mistral v0.2+ (`sliding_window: null`) and windows wider than the context keep it."""
+    for window in (None, 4096):
+        path, _ = tiny_models("mistral", sliding_window=window)
+        llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=16)
+        assert llm.engine.max_model_len == 512
 
 
 # ------------------------------------------------------------------ ALiBi (Baichuan-13B)
@@ -416,3 +474,76 @@ def test_chatglm_tokenizer_and_chat(tmp_path, sp_model):
     assert out.prompt_token_ids == [gmask, sop, user, *tok.sp.encode("\n hello"), assistant]
     ref_toks, _ = hf_greedy(hf, out.prompt_token_ids, 4)
     assert out.outputs[0].token_ids == ref_toks
+
+
+@pytest.fixture(scope="module")
+def baichuan_sp_model(tmp_path_factory):
+    """A tiny SentencePiece model laid out like Baichuan2's: reserved pieces after
+    <unk> <s> </s>, so that ids 195 and 196 (its user / assistant tokens) are reserved."""
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("sp_baichuan")
+    rng = random.Random(1)
+    words = "the quick brown fox jumps over a lazy dog hello world 你好 世界".split()
+    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12))
+                                            for _ in range(1500)))
+    spm.SentencePieceTrainer.train(
+        input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=260, model_type="bpe",
+        character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        user_defined_symbols=[f"<reserved_{i}>" for i in range(200)], minloglevel=2)
+    return d / "sp.model"
+
+
+def _baichuan2_chat_dir(tmp_path, sp_model, vocab_size: int = 320):
+    hf = _reference("llama", num_key_value_heads=4, vocab_size=vocab_size)
+    path = tmp_path / "baichuan2"
+    zc.to_baichuan(hf, str(path), "BaichuanForCausalLM", alibi=False, norm_head=False)
+    _sp_dir(tmp_path, sp_model, "baichuan2", {
+        "tokenizer_class": "BaichuanTokenizer", "add_bos_token": False, "bos_token": "<s>",
+        "eos_token": "</s>",
+        "auto_map": {"AutoTokenizer": ["tokenization_baichuan.BaichuanTokenizer", None]}})
+    (path / "generation_config.json").write_text(json.dumps(
+        {"user_token_id": 195, "assistant_token_id": 196, "eos_token_id": 2}))
+    return hf, path
+
+
+def test_baichuan_chat_format(tmp_path, baichuan_sp_model):
+    """Each turn starts with its role token (ids from generation_config.json); the reply
+    is prompted by the assistant token."""
+    from pagedllm.tokenizers import load_family_tokenizer
+
+    _, path = _baichuan2_chat_dir(tmp_path, baichuan_sp_model)
+    tok = load_family_tokenizer(str(path))
+    conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the fox"},
+            {"role": "user", "content": "你好 world"}]
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True)
+    sp = tok.sp
+    assert ids == [195, *sp.encode("hello"), 196, *sp.encode("the fox"),
+                   195, *sp.encode("你好 world"), 196]
+    text = tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
+    assert text == f"{sp.id_to_piece(195)}hello{sp.id_to_piece(196)}"
+    assert tok.decode(ids, skip_special_tokens=True).replace(" ", "") == "hellothefox你好world"
+    from jinja2.exceptions import TemplateError
+
+    with pytest.raises(TemplateError, match="no place for a system message"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}, *conv[:1]])
+    # without the role ids (Baichuan-7B) or with an ordinary piece there: no built-in format
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert load_family_tokenizer(str(path)).chat_template is None
+    ordinary = next(i for i in range(sp.get_piece_size()) if sp.id_to_piece(i) == "▁fox")
+    (path / "generation_config.json").write_text(json.dumps(
+        {"user_token_id": ordinary, "assistant_token_id": 196}))
+    tok = load_family_tokenizer(str(path))
+    assert tok.chat_template is None and tok.encode("fox", add_special_tokens=False) == [ordinary]
+
+
+def test_baichuan2_serves_chat(tmp_path, baichuan_sp_model):
+    hf, path = _baichuan2_chat_dir(tmp_path, baichuan_sp_model)
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64)
+    out = llm.chat([{"role": "user", "content": "hello world"}],
+                   SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    sp = llm.engine.tokenizer.sp
+    assert out.prompt_token_ids == [195, *sp.encode("hello world"), 196]
+    ref_toks, _ = hf_greedy(hf, out.prompt_token_ids, 4)
+    assert out.outputs[0].token_ids == ref_toks
+    assert isinstance(out.outputs[0].text, str)

@@ -76,6 +76,25 @@ def to_internlm(model, path: str) -> str:
     return _write(path, cfg, _sd(model))
 
 
+def to_internlm3(model, path: str) -> str:
+    """Llama names unchanged; `qkv_bias` and `bias` both follow the reference's
+    attention_bias (q/k/v/o) and mlp_bias, which must agree."""
+    c = model.config
+    assert c.attention_bias == c.mlp_bias
+    cfg = {"architectures": ["InternLM3ForCausalLM"], "model_type": "internlm3",
+           "auto_map": _auto_map("internlm3", "InternLM3Config", "InternLM3ForCausalLM"),
+           "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+           "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+           "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+           "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+           "max_position_embeddings": c.max_position_embeddings, "hidden_act": "silu",
+           "qkv_bias": c.attention_bias, "bias": c.mlp_bias,
+           "rope_theta": c.rope_parameters["rope_theta"], "rope_scaling": None,
+           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "tie_word_embeddings": False,
+           "torch_dtype": "float32"}
+    return _write(path, cfg, _sd(model))
+
+
 def to_baichuan(model, path: str, arch: str = "BaiChuanForCausalLM", **extra) -> str:
     """W_pack = [q | k | v] (MHA). `extra` adds raw config keys (e.g. norm_head)."""
     c, sd = model.config, _sd(model)

@@ -6,7 +6,8 @@ tokens (`added_tokens_decoder`) are cut out of the text first, every other chunk
 SentencePiece-encoded on its own, and a BOS is prefixed when `add_bos_token` is set.
 ChatGLM appends its command tokens ([MASK], [gMASK], [sMASK], sop, eop, <|system|>,
 <|user|>, <|assistant|>, <|observation|>) after the SentencePiece vocabulary and starts
-every encoded prompt with [gMASK] sop.
+every encoded prompt with [gMASK] sop. Baichuan ships no chat template: its role-token
+format is built in (BAICHUAN_TEMPLATE).
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ CHATGLM3_TEMPLATE = (
 )
 
 
+# Baichuan's chat format marks each turn with a role token whose id generation_config.json
+# names (`user_token_id`, `assistant_token_id`; 195 and 196 in Baichuan2): the token, then
+# the turn's text; a reply is prompted by the assistant token. The role tokens are written as
+# their pieces and the template has no place for a system message.
+BAICHUAN_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ user_token }}"
+    "{% elif m['role'] == 'assistant' %}{{ assistant_token }}"
+    "{% else %}{{ raise_exception('the built-in Baichuan chat format has no place for a '"
+    " ~ m['role'] ~ ' message: pass chat_template=...') }}{% endif %}{{ m['content'] }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ assistant_token }}{% endif %}"
+)
+
+
 def _content(tok) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
@@ -33,6 +47,25 @@ def _content(tok) -> str | None:
 def is_chatglm(config: dict) -> bool:
     return config.get("tokenizer_class") == "ChatGLMTokenizer" or "chatglm" in json.dumps(
         config.get("auto_map") or {}).lower()
+
+
+def _baichuan_roles(path: str, sp) -> list[tuple[str, int]] | None:
+    """(piece, id) of the user and assistant role tokens that generation_config.json names,
+    or None. Only reserved-looking pieces (`<...>`, or control pieces) qualify: an ordinary
+    piece written into the prompt text could not be told apart from the user's own text."""
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.exists(gen_path):
+        return None
+    with open(gen_path) as f:
+        gen = json.load(f)
+    ids = [gen.get("user_token_id"), gen.get("assistant_token_id")]
+    if not all(isinstance(i, int) and 0 <= i < sp.get_piece_size() for i in ids):
+        return None
+    pieces = [sp.id_to_piece(i) for i in ids]
+    if not all(sp.is_control(i) or (p.startswith("<") and p.endswith(">") and len(p) > 2)
+               for i, p in zip(ids, pieces, strict=True)):
+        return None
+    return list(zip(pieces, ids, strict=True))
 
 
 class SentencePieceTokenizer:
@@ -59,6 +92,11 @@ class SentencePieceTokenizer:
             specials = {t: n + i for i, t in enumerate(CHATGLM_COMMANDS)}
         for sid, tok in (cfg.get("added_tokens_decoder") or {}).items():
             specials.setdefault(_content(tok), int(sid))
+        self._template_vars: dict[str, str] = {}
+        roles = None if self.chatglm or cfg.get("chat_template") else _baichuan_roles(path, self.sp)
+        if roles:
+            self._template_vars = {"user_token": roles[0][0], "assistant_token": roles[1][0]}
+            specials.update(roles)  # so that encode() maps the written pieces back to the ids
         for i in range(n):  # control / user-defined pieces written literally in prompts
             if self.sp.is_control(i) or (self.sp.id_to_piece(i).startswith("<|")
                                          and self.sp.id_to_piece(i).endswith("|>")):
@@ -76,7 +114,8 @@ class SentencePieceTokenizer:
         if self.chatglm:  # a ChatGLM3 turn ends when the model starts the next role
             self._eos += [specials["<|user|>"], specials["<|observation|>"]]
         self.pad_token_id = self._id(_content(cfg.get("pad_token")))
-        self.chat_template = cfg.get("chat_template") or (CHATGLM3_TEMPLATE if self.chatglm else None)
+        self.chat_template = cfg.get("chat_template") or (
+            CHATGLM3_TEMPLATE if self.chatglm else BAICHUAN_TEMPLATE if roles else None)
         self._size = max([n - 1, *specials.values()]) + 1
 
     def _piece(self, i: int) -> str | None:
@@ -161,5 +200,5 @@ class SentencePieceTokenizer:
         text = render_chat_template(template, conversation,
                                     add_generation_prompt=add_generation_prompt,
                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                    **kwargs)
+                                    **{**self._template_vars, **kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -23,8 +23,18 @@ from torch import nn
 from pagedllm.distributed import all_gather, all_reduce, divide, get_tp_rank, get_tp_world_size
 
 
-def _shape(t) -> tuple[int, ...]:
+def shape_of(t) -> tuple[int, ...]:
+    """Shape of a torch tensor or of a lazy safetensors slice (which has no `.shape`)."""
     return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+
+
+def read_block(t, *index: slice) -> torch.Tensor:
+    """`t[index]` (all of `t` when no index is given) as a tensor. For a lazy safetensors
+    slice only that block is read from the file, which is how a rank avoids materialising
+    a tensor it keeps one slice of; a torch tensor gives a view."""
+    if isinstance(t, torch.Tensor):
+        return t[index] if index else t
+    return t[index] if index else t[:]
 
 
 def _narrow(t, dim: int, start: int, length: int) -> torch.Tensor:
@@ -91,8 +101,8 @@ class ColumnParallelLinear(nn.Linear):
 
     def load_shard(self, param_name: str, shard: str | None, tensor) -> None:
         full, src, n = self.parts[shard]
-        if _shape(tensor)[0] != full:
-            raise ValueError(f"shard {shard!r} expects {full} rows, checkpoint has {_shape(tensor)[0]}")
+        if shape_of(tensor)[0] != full:
+            raise ValueError(f"shard {shard!r} expects {full} rows, checkpoint has {shape_of(tensor)[0]}")
         start, _ = self.shards[shard]
         getattr(self, param_name).data[start : start + n].copy_(_narrow(tensor, 0, src, n))
 
@@ -118,10 +128,10 @@ class RowParallelLinear(nn.Linear):
     def load_shard(self, param_name: str, shard: None, tensor) -> None:
         p = getattr(self, param_name)
         if param_name == "bias":
-            p.data.copy_(_narrow(tensor, 0, 0, _shape(tensor)[0]))
+            p.data.copy_(read_block(tensor))
             return
-        if _shape(tensor) != (self.out_features, self.full_in):
-            raise ValueError(f"checkpoint shape {_shape(tensor)} != {(self.out_features, self.full_in)}")
+        if shape_of(tensor) != (self.out_features, self.full_in):
+            raise ValueError(f"checkpoint shape {shape_of(tensor)} != {(self.out_features, self.full_in)}")
         p.data.copy_(_narrow(tensor, 1, self.in_start, self.in_features))
 
 
@@ -149,7 +159,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(x)
 
     def load_shard(self, param_name: str, shard: None, tensor) -> None:
-        shape = _shape(tensor)
+        shape = shape_of(tensor)
         if shape != (self.num_embeddings, self.weight.shape[1]):
             raise ValueError(f"checkpoint shape {shape} != {(self.num_embeddings, self.weight.shape[1])}")
         self.weight.data[: self.num_real].copy_(_narrow(tensor, 0, self.start, self.num_real))

@@ -11,6 +11,7 @@ import glob
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,14 +81,19 @@ def load_hf_config(source: ModelSource):
         raise e
 
 
-def _hf_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor) pairs. With `lazy`, safetensors entries come as lazy
+    slices (`safe_open(...).get_slice`): each layer reads only the block its rank keeps
+    (parallel.read_block), so under tensor parallelism no rank reads a whole sharded
+    tensor. A slice is only valid until the next pair is drawn (its file may close).
+    .bin/.pt files are memory-mapped, which defers the reads in the same way."""
     if source.load_format == "safetensors":
         from safetensors import safe_open
 
         for f in sorted(glob.glob(os.path.join(source.path, "*.safetensors"))):
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    yield name, (st.get_slice(name) if lazy else st.get_tensor(name))
     else:
         files = sorted(glob.glob(os.path.join(source.path, "*.bin")) + glob.glob(os.path.join(source.path, "*.pt")))
         for f in files:
@@ -143,5 +149,8 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     elif source.kind == "gguf":
         model.load_weights(gguf_weights(source.path, hf_config))
     else:
-        model.load_weights(_hf_weights(source))
+        # The remote-code renamers (models/zoo.py) reshape and split whole fused tensors,
+        # so those checkpoints are read whole; every other model's layers cut their own
+        # slice out of a lazy one.
+        model.load_weights(_hf_weights(source, lazy=getattr(hf_config, "zoo_family", None) is None))
     return model.eval()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.model_executor.models.glm import GlmForCausalLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.models.zoo import ZOO_FAMILY, ZooForCausalLM
 
@@ -10,6 +11,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": GlmForCausalLM,
     # remote-code checkpoints, read without running their code (models/zoo.py)
     **{arch: ZooForCausalLM for arch in ZOO_FAMILY},
 }

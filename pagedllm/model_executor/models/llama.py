@@ -1,10 +1,11 @@
-"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), also
+"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, GLM), also
 serving the remote-code families of models/zoo.py (InternLM, Baichuan, Qwen v1, ChatGLM).
 
 They differ only in switches read from the config: bias on q/k/v (Qwen2, `qkv_bias`) or on
 every attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3), an
 explicit head_dim, tied embeddings, the rope scaling, interleaved-pair rotary on part of
-the head (ChatGLM, `rotary_interleaved`) and ALiBi instead of rotary (Baichuan-13B, `alibi`).
+the head (ChatGLM and GLM, `rotary_interleaved`), extra norms after each sublayer (GLM-4-0414)
+and ALiBi instead of rotary (Baichuan-13B, `alibi`).
 q/k/v and gate/up are fused into single matmuls; the loader fills the fused weights shard by
 shard. Under tensor parallelism (layers/parallel.py) every rank builds the same modules over
 its own heads and slices, and each layer cuts its part out of the full checkpoint tensors.
@@ -30,9 +31,14 @@ from pagedllm.model_executor.layers.parallel import (
     VocabParallelEmbedding,
     gather_logits,
     head_partition,
+    read_block,
+    shape_of,
 )
 from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
 from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+
+# transformers' own GLM classes: ChatGLM's math (models/zoo.py) under Llama-style names
+GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 
 
 class ModelShape:
@@ -50,9 +56,13 @@ class ModelShape:
         self.num_layers = config.num_hidden_layers
         self.tie_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        # transformers' GLM: `attention_bias` biases q/k/v only, and GLM-4-0414 (Glm4) norms
+        # each sublayer's output again before the residual add.
+        is_glm = architecture in GLM_ARCHITECTURES
         attn_bias = bool(getattr(config, "attention_bias", False))
         self.qkv_bias = is_qwen2 or attn_bias or bool(getattr(config, "qkv_bias", False))
-        self.o_bias = attn_bias and not is_qwen2
+        self.o_bias = attn_bias and not (is_qwen2 or is_glm)
+        self.sandwich_norm = architecture == "Glm4ForCausalLM"
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = architecture == "Qwen3ForCausalLM"
         self.hidden_act = getattr(config, "hidden_act", "silu")
@@ -62,15 +72,11 @@ class ModelShape:
         rotary_pct = (getattr(config, "partial_rotary_factor", None)
                       or rope_parameters(config).get("partial_rotary_factor") or 1.0)
         self.rotary_dim = int(self.head_dim * rotary_pct)
-        self.rotary_interleaved = bool(getattr(config, "rotary_interleaved", False))
+        self.rotary_interleaved = is_glm or bool(getattr(config, "rotary_interleaved", False))
         self.alibi = bool(getattr(config, "alibi", False))
         # Tensor parallelism: from here on num_heads / num_kv_heads / intermediate are this
         # rank's (what its KV cache and attention kernels see); the totals size the checkpoint.
         self.tp_size = tp = get_tp_world_size()
-        if tp > 1 and quant is not None:
-            raise NotImplementedError(
-                f"tensor_parallel_size > 1 with a {quant.method.upper()} checkpoint is not supported "
-                "yet (packed weights are not sharded); use tensor_parallel_size=1 or a float checkpoint")
         self.total_num_heads, self.total_num_kv_heads = self.num_heads, self.num_kv_heads
         self.head_start, self.num_heads = head_partition(self.num_heads, get_tp_rank(), tp,
                                                          "num_attention_heads")
@@ -83,11 +89,12 @@ class ModelShape:
 def make_linear(in_features: int, out: int | dict[str, int], bias: bool,
                 quant: QuantConfig | None, row_parallel: bool = False) -> nn.Module:
     """A float layer, or the packed GPTQ/AWQ layer when the checkpoint is quantized; `out`
-    as a dict builds a fused layer from those shards. Sizes are the checkpoint's: float
-    layers split themselves over the TP ranks (by output rows, or by input columns when
+    as a dict builds a fused layer from those shards. Sizes are the checkpoint's: layers
+    split themselves over the TP ranks (by output rows, or by input columns when
     `row_parallel`, for the layers that consume a split activation)."""
     if quant is not None:
-        return QuantizedLinear(in_features, out if isinstance(out, dict) else {None: out}, bias, quant)
+        return QuantizedLinear(in_features, out if isinstance(out, dict) else {None: out}, bias, quant,
+                               row_parallel=row_parallel)
     if row_parallel:
         assert isinstance(out, int)
         return RowParallelLinear(in_features, out, bias)
@@ -100,11 +107,11 @@ class Attention(nn.Module):
         self.s = s
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
+        # split by heads, not evenly by rows: KV heads may be replicated
         if s.quant is not None:
-            self.qkv_proj = make_linear(
-                s.hidden, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, s.qkv_bias, s.quant
-            )
-        else:  # split by heads, not evenly by rows: KV heads may be replicated
+            self.qkv_proj = QuantizedLinear.qkv(s.hidden, s.total_num_heads, s.total_num_kv_heads,
+                                                s.head_dim, s.qkv_bias, s.quant)
+        else:
             self.qkv_proj = ColumnParallelLinear.qkv(s.hidden, s.total_num_heads, s.total_num_kv_heads,
                                                      s.head_dim, s.qkv_bias)
         self.o_proj = make_linear(s.total_num_heads * s.head_dim, s.hidden, s.o_bias, s.quant,
@@ -162,6 +169,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(s)
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        self.sandwich_norm = s.sandwich_norm
+        if s.sandwich_norm:
+            self.post_self_attn_layernorm = RMSNorm(s.hidden, s.eps)
+            self.post_mlp_layernorm = RMSNorm(s.hidden, s.eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if residual is None:
@@ -170,8 +181,13 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, kv_cache, meta)
+        if self.sandwich_norm:  # normed before the (fused) residual add of the next norm
+            h = self.post_self_attn_layernorm(h)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        if self.sandwich_norm:
+            h = self.post_mlp_layernorm(h)
+        return h, residual
 
 
 class DecoderModel(nn.Module):
@@ -222,10 +238,14 @@ class LlamaForCausalLM(nn.Module):
         """Full-vocabulary logits on every rank (each rank computes its vocabulary slice)."""
         if self.shape.tie_embeddings:  # the embedding's slice is the head's slice
             return gather_logits(F.linear(hidden, self.model.embed_tokens.weight), self.shape.vocab)
+        if isinstance(self.lm_head, QuantizedLinear):  # column-parallel: this rank's vocabulary slice
+            return gather_logits(self.lm_head(hidden), self.shape.vocab)
         return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
-        """Fill parameters from (checkpoint name, tensor) pairs in HF naming."""
+        """Fill parameters from (checkpoint name, tensor) pairs in HF naming. A tensor may be
+        a lazy safetensors slice: the parallel and quantized layers read only their rank's
+        block of it (parallel.read_block)."""
         params = dict(self.named_parameters())
         quantized = {n: m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
         parallel = {n: m for n, m in self.named_modules()
@@ -257,9 +277,9 @@ class LlamaForCausalLM(nn.Module):
                 if name not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
                 p = params[name]
-                if p.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-                p.data.copy_(tensor)
+                if tuple(p.shape) != shape_of(tensor):
+                    raise ValueError(f"{name}: checkpoint shape {shape_of(tensor)} != {tuple(p.shape)}")
+                p.data.copy_(read_block(tensor))  # replicated (norms): the whole tensor
                 loaded.add(name)
         missing = []
         for module in quantized.values():

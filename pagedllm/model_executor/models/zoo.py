@@ -1,4 +1,4 @@
-"""Remote-code checkpoints (InternLM, InternLM2, Baichuan, Qwen v1, ChatGLM2/3) served by
+"""Remote-code checkpoints (InternLM, InternLM2/3, Baichuan, Qwen v1, ChatGLM2/3) served by
 the one Llama decoder, without running the checkpoint's own Python.
 
 transformers cannot build these configs without `trust_remote_code`, so config.json is
@@ -76,6 +76,27 @@ def _internlm_config(raw: dict, arch: str):
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         attention_bias=bool(raw.get("bias", True)),
         **_rope(rotary.get("base", raw.get("rope_theta", 10000.0)), scaling),
+    )
+
+
+def _internlm3_config(raw: dict, arch: str):
+    # Llama names; `qkv_bias` biases q/k/v, `bias` o_proj and the MLP. transformers'
+    # InternLM3Config maps them onto Llama's attention_bias / mlp_bias and so requires them
+    # equal: the same restriction here.
+    qkv_bias, bias = bool(raw.get("qkv_bias", False)), bool(raw.get("bias", False))
+    if qkv_bias != bias:
+        raise ValueError(f"InternLM3 with qkv_bias={qkv_bias} but bias={bias} is not supported")
+    heads = raw["num_attention_heads"]
+    return _llama_config(
+        raw, arch,
+        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        vocab_size=raw["vocab_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 32768),
+        attention_bias=bias, mlp_bias=bias,
+        **_rope(raw.get("rope_theta", 10000.0), raw.get("rope_scaling")),
     )
 
 
@@ -250,6 +271,7 @@ def _same(cfg, weights: Weights) -> Iterator:
 ZOO_FAMILY = {
     "InternLMForCausalLM": "internlm",
     "InternLM2ForCausalLM": "internlm2",
+    "InternLM3ForCausalLM": "internlm3",
     "BaiChuanForCausalLM": "baichuan",
     "BaichuanForCausalLM": "baichuan",
     "QWenLMHeadModel": "qwen",
@@ -259,6 +281,7 @@ ZOO_FAMILY = {
 _FAMILIES: dict[str, tuple[Callable, Callable]] = {
     "internlm": (_internlm_config, _same),
     "internlm2": (_internlm2_config, _internlm2_weights),
+    "internlm3": (_internlm3_config, _same),
     "baichuan": (_baichuan_config, _baichuan_weights),
     "qwen": (_qwen_config, _qwen_weights),
     "chatglm": (_chatglm_config, _chatglm_weights),

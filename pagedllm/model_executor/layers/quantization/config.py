@@ -22,8 +22,11 @@ _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 class QuantConfig:
     """How the linear layers of a GPTQ or AWQ checkpoint are stored.
 
-    Only what changes the arithmetic is kept: `sym` and `desc_act` need no field because the
-    stored zeros and g_idx already say everything the loader needs.
+    Only what changes the arithmetic is kept: `sym` needs no field because the stored zeros
+    say it. `desc_act` (act-order) is also written in g_idx, but a row-parallel rank must
+    know before reading any tensor whether it may keep only its own groups of scales and
+    zeros (in group order) or needs the whole group table (act-order scatters groups over
+    the input features), so it is kept.
     """
 
     method: str  # "gptq" | "awq"
@@ -31,6 +34,7 @@ class QuantConfig:
     group_size: int = 128  # -1: one group spanning the whole input dimension
     checkpoint_format: str = "gptq"  # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq"
     lm_head: bool = False  # GPTQModel can quantize the output head too
+    desc_act: bool = False  # GPTQ act-order: g_idx is not in group order
 
     def __post_init__(self) -> None:
         if self.method not in ("gptq", "awq"):
@@ -86,7 +90,8 @@ def parse_quant_config(raw: dict) -> QuantConfig:
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2 are)")
         if raw.get("dynamic"):
             raise ValueError("GPTQModel per-module 'dynamic' overrides are not supported")
-        return QuantConfig("gptq", bits, group_size, fmt, bool(raw.get("lm_head", False)))
+        return QuantConfig("gptq", bits, group_size, fmt, bool(raw.get("lm_head", False)),
+                           bool(raw.get("desc_act", False)))
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
         if version != "gemm":

@@ -106,20 +106,24 @@ def untile_rows(qweight: torch.Tensor, bits: int, tile_k: int, k: int) -> torch.
 def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                bits: int, zero_offset: int, perm: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float32, tile_k: int | None = None,
-               in_features: int | None = None) -> torch.Tensor:
+               in_features: int | None = None, groups: torch.Tensor | None = None) -> torch.Tensor:
     """Internal layout -> float weight [N, K] in Hugging Face's (out, in) orientation.
 
     Row i of the internal tensors is input feature `perm[i]` (act-order checkpoints are
-    sorted by group at load); its group is i // group_size. With `tile_k`, qweight is in
-    the GPU kernel's tiled layout (tile_rows). The product is formed in float32: (q - z) is
-    a small integer and the scale an fp16, so it is exact.
+    sorted by group at load); its group is i // group_size, or `groups[i]` where a
+    tensor-parallel rank's rows are not whole groups in order (act-order, row-parallel).
+    With `tile_k`, qweight is in the GPU kernel's tiled layout (tile_rows). The product is
+    formed in float32: (q - z) is a small integer and the scale an fp16, so it is exact.
     """
     if tile_k is None:
         q = unpack_rows(qweight, bits)  # [K, N]
     else:
         q = untile_rows(qweight, bits, tile_k, in_features)
     k, n = q.shape
-    groups = torch.arange(k, device=q.device) // group_size
+    if groups is None:
+        groups = torch.arange(k, device=q.device) // group_size
+    else:
+        groups = groups.to(device=q.device, dtype=torch.long)
     z = unpack_cols(qzeros, bits)[:, :n] + zero_offset  # [G, N]
     w = (q - z[groups]).to(torch.float32) * scales.to(torch.float32)[groups]
     if perm is not None:
