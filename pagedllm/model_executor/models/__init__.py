@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.model_executor.models.glm import GlmForCausalLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
+from pagedllm.model_executor.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
 from pagedllm.model_executor.models.zoo import ZOO_FAMILY, ZooForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
@@ -13,6 +14,7 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": GlmForCausalLM,
+    **{arch: MoeForCausalLM for arch in MOE_ARCHITECTURES},
     # remote-code checkpoints, read without running their code (models/zoo.py)
     **{arch: ZooForCausalLM for arch in ZOO_FAMILY},
 }

@@ -64,7 +64,7 @@ class ModelShape:
         self.o_bias = attn_bias and not (is_qwen2 or is_glm)
         self.sandwich_norm = architecture == "Glm4ForCausalLM"
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.qk_norm = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         self.hidden_act = getattr(config, "hidden_act", "silu")
         if self.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {self.hidden_act!r}")
@@ -285,8 +285,8 @@ class LlamaForCausalLM(nn.Module):
         for module in quantized.values():
             module.finish_loading()  # checks its own tensors: their names are the checkpoint's
         for name, module in self.named_modules():
-            if isinstance(module, QuantizedLinear):
-                continue
+            if isinstance(module, QuantizedLinear) or getattr(module, "checks_own_loading", False):
+                continue  # e.g. MoE expert stacks (models/moe.py), filled piece by piece
             for pname, _ in module.named_parameters(recurse=False):
                 full = f"{name}.{pname}"
                 if isinstance(module, ColumnParallelLinear) and None not in module.shards:  # fused
