@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedllm.model_executor.layers.quantization import QuantizedLinear, resolve_quant_config
-from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_weights
+from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_quant_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
 from pagedllm.model_executor.models.zoo import zoo_architecture, zoo_config
 
@@ -132,6 +132,9 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     that contradicts the checkpoint is an error (see resolve_quant_config)."""
     arch, cls = resolve_architecture(hf_config)
     quant = resolve_quant_config(quantization, source.kind, source.load_format, source.path, hf_config)
+    if source.kind == "gguf" and source.load_format == "gguf":
+        # Q4_0/Q8_0 linear layers stay packed where a kernel computes from them (CUDA).
+        quant = gguf_quant_config(source.path, device)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -147,7 +150,7 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     if source.load_format == "dummy":
         _dummy_weights(model, seed)
     elif source.kind == "gguf":
-        model.load_weights(gguf_weights(source.path, hf_config))
+        model.load_weights(gguf_weights(source.path, hf_config, quant))
     else:
         # The remote-code renamers (models/zoo.py) reshape and split whole fused tensors,
         # so those checkpoints are read whole; every other model's layers cut their own

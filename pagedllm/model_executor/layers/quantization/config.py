@@ -13,7 +13,8 @@ import json
 import os
 from dataclasses import dataclass
 
-# Values accepted for EngineConfig.quantization ("gguf" names the dequantize-at-load path).
+# Values accepted for EngineConfig.quantization ("gguf" names the GGUF loader: dequantized at
+# load, or Q4_0/Q8_0 linear layers packed as gptq_v2 on CUDA, see loader/gguf_file.py).
 METHODS = ("gptq", "awq", "gguf")
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
@@ -128,7 +129,7 @@ def resolve_quant_config(requested: str | None, kind: str, load_format: str, mod
     if kind == "gguf":
         if requested not in (None, "gguf"):
             raise ValueError(f"quantization={requested!r} given, but the model is a GGUF file "
-                             "(its quantized tensors are dequantized at load)")
+                             "(its own tensor types decide how it is loaded)")
         return None
     if requested == "gguf":
         raise ValueError("quantization='gguf' given, but the model is not a GGUF file")
