@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve
+#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|quant
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
-# serve: the server on gpu-7b's shape, 64 concurrent streaming clients.
+# serve: the server on gpu-7b's shape, 64 concurrent streaming clients;
+# quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -70,5 +71,9 @@ EOF
     kill -INT $server
     wait $server
     summary "$OUT/gpu-7b-serve-c64.json"
+    ;;
+quant)
+    timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 256 2>&1 | tail -8
+    timeout 300 python3 benchmarks/quant_decode.py --mode engine --batch 1 16 256 2>&1 | tail -8
     ;;
 esac

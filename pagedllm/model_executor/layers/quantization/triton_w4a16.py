@@ -56,6 +56,17 @@ def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg
 
 
 @triton.jit
+def _plane_activations(a_ptr, perm_ptr, offs_k, K, stride_ak, HAS_PERM: tl.constexpr):
+    """The activations of 16 input rows (float32; 0 past K), through `perm` for act-order."""
+    k_mask = offs_k < K
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    else:
+        cols = offs_k
+    return tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _wna16_gemv(
     a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr,
     M, N, K, K_PER_SPLIT, group_size,
@@ -94,13 +105,7 @@ def _wna16_gemv(
             part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
             a_sum = tl.zeros((ROWS,), dtype=tl.float32)
             for j in tl.static_range(PACK):
-                offs_k = k0 + j * ROWS + offs_r
-                k_mask = offs_k < K
-                if HAS_PERM:
-                    cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-                else:
-                    cols = offs_k
-                a = tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
+                a = _plane_activations(a_ptr, perm_ptr, k0 + j * ROWS + offs_r, K, stride_ak, HAS_PERM)
                 q = ((qw >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
                 part += a[:, None] * (q.to(tl.float32, bitcast=True) - 8388608.0)
                 a_sum += a
@@ -108,13 +113,7 @@ def _wna16_gemv(
         else:
             for j in tl.static_range(PACK):
                 kj = k0 + j * ROWS  # value j of the tile's words: rows kj .. kj + 15
-                offs_k = kj + offs_r
-                k_mask = offs_k < K
-                if HAS_PERM:
-                    cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
-                else:
-                    cols = offs_k
-                a = tl.load(a_ptr + cols * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
+                a = _plane_activations(a_ptr, perm_ptr, kj + offs_r, K, stride_ak, HAS_PERM)
                 # 16 | group_size (or a single group): the plane lies in one group.
                 s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
                                      stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
