@@ -13,6 +13,7 @@ integers are chosen, not how they are stored, and storage is what a loader must 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -50,10 +51,11 @@ class GPTQSpec:
 class AWQSpec:
     group_size: int = 128
     not_converted: tuple[str, ...] = ()  # modules left in float (modules_to_not_convert)
+    version: str = "gemm"  # "gemm" | "gemv"
 
     def config(self) -> dict:
         return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
-                "version": "gemm", "modules_to_not_convert": list(self.not_converted) or None}
+                "version": self.version, "modules_to_not_convert": list(self.not_converted) or None}
 
 
 # ---------------------------------------------------------------------------- bit packing
@@ -143,6 +145,17 @@ def quantize_awq(w: np.ndarray, spec: AWQSpec) -> tuple[dict[str, np.ndarray], n
     q = np.clip(np.round(wt / s[:, None].astype(np.float64)) + z[:, None], 0, 15).astype(np.int64)
     deq = ((q - z[:, None]).astype(np.float32) * s[:, None].astype(np.float32)).reshape(k, n_out)
     q = q.reshape(k, n_out)
+    if spec.version == "gemv":
+        # Transposed and sequential: qweight [out, in/8] packed along the input; scales and
+        # zeros per output row, groups padded to words (ceil(G/8), aligned for g64 / g32).
+        groups = k // gs
+        align = 1 if gs >= 128 else 128 // gs
+        words = math.ceil(math.ceil(groups / 8) / align) * align
+        zt = np.zeros((n_out, words * 8), dtype=np.int64)
+        zt[:, :groups] = z.T
+        st = np.zeros((n_out, words * 8), dtype=np.float16)
+        st[:, :groups] = s.T
+        return {"qweight": pack(q.T, 4, axis=1), "qzeros": pack(zt, 4, axis=1), "scales": st}, deq.T.copy()
     tensors = {"qweight": pack(q, 4, axis=1, order=AWQ_ORDER),
                "qzeros": pack(z, 4, axis=1, order=AWQ_ORDER),
                "scales": s}

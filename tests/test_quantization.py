@@ -111,12 +111,18 @@ def test_gptq_layer_dequantizes_exactly(spec):
     assert np.abs(deq - w).max() <= np.abs(w).max() * 2 / ((1 << spec.bits) - 1) + 1e-6  # error <= a step
 
 
-@pytest.mark.parametrize("group_size", [64, 128])
-def test_awq_layer_dequantizes_exactly(group_size):
-    k, n = 256, 48
+@pytest.mark.parametrize("version", ["gemm", "gemv"])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_awq_layer_dequantizes_exactly(group_size, version):
+    """GEMM (interleaved, output-packed) and GEMV (transposed, zero-padded group words)
+    layouts load into the same weights; k = 320 gives GEMV ragged group words."""
+    k, n = 320 if group_size < 128 else 256, 48
     w = np.random.default_rng(3).normal(size=(n, k)).astype(np.float32)
-    tensors, deq = quantize_awq(w, AWQSpec(group_size))
-    layer = _load_layer(tensors, QuantConfig("awq", 4, group_size, "awq"), k, n)
+    tensors, deq = quantize_awq(w, AWQSpec(group_size, version=version))
+    if version == "gemv":
+        assert tensors["qweight"].shape == (n, k // 8) and tensors["qzeros"].shape[0] == n
+    fmt = "awq" if version == "gemm" else "awq_gemv"
+    layer = _load_layer(tensors, QuantConfig("awq", 4, group_size, fmt), k, n)
     assert torch.equal(layer.dequantized_weight(), torch.from_numpy(deq))
 
 
@@ -168,6 +174,8 @@ MODEL_SPECS = [
     GPTQSpec(4, 128, sym=True, lm_head=True, side_file=True),
     AWQSpec(128),
     AWQSpec(64, not_converted=("mlp.down_proj",)),
+    AWQSpec(128, version="gemv"),
+    AWQSpec(32, version="gemv"),
 ]
 
 
@@ -243,7 +251,7 @@ def test_detection_and_mismatch(float_model, tmp_path):
 @pytest.mark.parametrize(("raw", "message"), [
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
-    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv_fast"}, "gemv_fast"),
     ({"quant_method": "fp8"}, "fp8"),
 ])
 def test_unsupported_layouts_fail_loudly(tmp_path, float_model, raw, message):

@@ -417,7 +417,7 @@ def _quant_config(spec, desc_act: bool | None = None):
     if isinstance(spec, GPTQSpec):
         return QuantConfig("gptq", spec.bits, spec.group_size, spec.checkpoint_format,
                            desc_act=spec.act_order if desc_act is None else desc_act)
-    return QuantConfig("awq", 4, spec.group_size, "awq")
+    return QuantConfig("awq", 4, spec.group_size, "awq" if spec.version == "gemm" else "awq_gemv")
 
 
 def _quant_layer_specs():
@@ -425,7 +425,7 @@ def _quant_layer_specs():
 
     return [GPTQSpec(4, 32, act_order=True), GPTQSpec(8, 64, sym=False, act_order=True),
             GPTQSpec(4, -1, act_order=True), GPTQSpec(2, 32, sym=False, checkpoint_format="gptq_v2"),
-            AWQSpec(32)]
+            AWQSpec(32), AWQSpec(32, version="gemv")]
 
 
 @pytest.mark.parametrize("spec", _quant_layer_specs(), ids=repr)

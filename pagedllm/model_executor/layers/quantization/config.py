@@ -33,7 +33,7 @@ class QuantConfig:
     method: str  # "gptq" | "awq"
     bits: int = 4
     group_size: int = 128  # -1: one group spanning the whole input dimension
-    checkpoint_format: str = "gptq"  # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq"
+    checkpoint_format: str = "gptq"  # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq" (GEMM) | "awq_gemv"
     lm_head: bool = False  # GPTQModel can quantize the output head too
     desc_act: bool = False  # GPTQ act-order: g_idx is not in group order
 
@@ -95,11 +95,11 @@ def parse_quant_config(raw: dict) -> QuantConfig:
                            bool(raw.get("desc_act", False)))
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ValueError(f"AWQ version {version!r} is not supported (only the GEMM layout)")
+        if version not in ("gemm", "gemv"):
+            raise ValueError(f"AWQ version {version!r} is not supported (the GEMM and GEMV layouts are)")
         if not raw.get("zero_point", True):
             raise ValueError("AWQ without zero points is not supported")
-        return QuantConfig("awq", bits, group_size, "awq")
+        return QuantConfig("awq", bits, group_size, "awq" if version == "gemm" else "awq_gemv")
     raise ValueError(f"quantization method {method!r} is not supported (gptq and awq are)")
 
 

@@ -30,6 +30,7 @@ from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_s
 from pagedllm.model_executor.layers.parallel import head_partition, read_block, shape_of
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
 from pagedllm.model_executor.layers.quantization.packing import (
+    awq_gemv_to_internal,
     awq_to_internal,
     dequantize,
     pack_rows,
@@ -155,6 +156,7 @@ class QuantizedLinear(nn.Module):
         start = self.shards[shard][0]
         pack = self.quant.pack_factor
         awq = self.quant.method == "awq"
+        gemv = self.quant.checkpoint_format == "awq_gemv"
         k0, k = self.in_start, self.in_features
         g0, ng = self.group_rows
         out_cols, word_cols = slice(src, src + n), slice(src // pack, (src + n) // pack)
@@ -173,6 +175,20 @@ class QuantizedLinear(nn.Module):
         elif param_name == "weight":
             self._check(what, tensor, (full, self.full_in))
             self._float_rows[shard] = read_block(tensor, out_cols, slice(k0, k0 + k))
+        elif gemv and param_name in _TENSORS:  # AWQ GEMV: transposed, [N, ...]
+            groups = slice(g0, g0 + ng)
+            if param_name == "qweight":
+                self._check(what, tensor, (full, self.full_in // pack))
+                block = read_block(tensor, out_cols, slice(k0 // pack, (k0 + k) // pack))
+                target = self.qweight.data[:, start:start + n]
+            else:
+                padded = self._gemv_group_words()
+                shape = (full, padded) if param_name == "qzeros" else (full, padded * pack)
+                self._check(what, tensor, shape)
+                block = read_block(tensor, out_cols)
+                target = (self.qzeros.data[:, start // pack:(start + n) // pack] if param_name == "qzeros"
+                          else self.scales.data[:, start:start + n])
+            self._copy(what, target, awq_gemv_to_internal(param_name, block, groups))
         elif param_name == "qweight":
             if awq:  # [K, N / 8], packed (interleaved) along the output
                 self._check(what, tensor, (self.full_in, full // pack))
@@ -193,6 +209,13 @@ class QuantizedLinear(nn.Module):
         else:
             raise ValueError(f"checkpoint tensor {param_name!r} has no place in a {self.quant.method} layer")
         self._loaded.add((param_name, shard))
+
+    def _gemv_group_words(self) -> int:
+        """AWQ GEMV's words of zero points per output row: ceil(G / 8), padded to a
+        multiple of 1 (group size >= 128), 2 (64) or 4 (32)."""
+        words = -(-self.num_groups // 8)
+        align = 1 if self.quant.group_size >= 128 or self.quant.group_size == -1 else 128 // self.quant.group_size
+        return -(-words // align) * align
 
     @staticmethod
     def _check(what: str, tensor, expected: tuple[int, ...]) -> None:

@@ -4,7 +4,9 @@ One internal layout serves both formats and every kernel (see QuantizedLinear):
 `qweight` [K / pack, N] packed along the input dimension, value j of word (r, n) being
 input row `pack * r + j` (GPTQ's order, LSB first); `qzeros` [G, N / pack] packed along the
 output dimension in sequential order; `scales` [G, N]. AWQ's output-packed, interleaved
-tensors are converted to it once at load.
+tensors are converted to it once at load; so are AWQ GEMV's transposed ones (`qweight`
+[N, K / 8] packed along the input, `scales` [N, Wz * 8] and `qzeros` [N, Wz] with groups
+packed 8 to a word, Wz zero-padded to the GEMV kernel's alignment).
 """
 
 from __future__ import annotations
@@ -70,6 +72,19 @@ def awq_to_internal(name: str, packed: torch.Tensor) -> torch.Tensor:
     the internal layout. AWQ stores zeros as they are, so no offset changes."""
     vals = unpack_cols(packed, 4, AWQ_ORDER)
     return pack_rows(vals, 4) if name == "qweight" else pack_cols(vals, 4)
+
+
+def awq_gemv_to_internal(name: str, block: torch.Tensor, groups: slice) -> torch.Tensor:
+    """One block of an AWQ GEMV tensor (all its input or group columns for some output
+    rows) -> the internal layout. `groups` picks the real groups out of the padded ones.
+    qweight's words already hold 8 consecutive inputs LSB first, as the internal layout's
+    do, so it only needs transposing; zeros are unpacked along the groups and re-packed
+    along the output."""
+    if name == "qweight":
+        return block.to(torch.int32).t().contiguous()
+    if name == "scales":
+        return block[:, groups].t().contiguous()
+    return pack_cols(unpack_cols(block.to(torch.int32), 4)[:, groups].t().contiguous(), 4)
 
 
 def tile_rows(qweight: torch.Tensor, bits: int, tile_k: int, chunk: int = 4096) -> torch.Tensor:
