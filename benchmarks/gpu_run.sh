@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|quant
+#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|quant|tp
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
 # serve: the server on gpu-7b's shape, 64 concurrent streaming clients;
-# quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine.
+# quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine;
+# tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -71,6 +72,13 @@ EOF
     kill -INT $server
     wait $server
     summary "$OUT/gpu-7b-serve-c64.json"
+    ;;
+tp)
+    export NCCL_NVLS_ENABLE=0
+    timeout 240 python3 benchmarks/tp_check.py --tp 2 --layers 8 2>&1 | tail -6
+    bench throughput --workload gpu-7b --output-json "$OUT/gpu-7b-tp1.json" 2>&1 | tail -2
+    bench throughput --workload gpu-7b --tensor-parallel-size 2 --output-json "$OUT/gpu-7b-tp2.json" 2>&1 | tail -2
+    summary "$OUT"/gpu-7b-tp*.json
     ;;
 quant)
     timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 256 2>&1 | tail -8

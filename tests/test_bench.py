@@ -106,12 +106,14 @@ def test_add_bench_parser_wires_into_a_cli():
         parser.parse_args(["bench"])  # a kind is required
 
 
-def test_throughput_on_dummy_weights_writes_exact_counts(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_throughput_on_dummy_weights_writes_exact_counts(tmp_path, tp):
     model = write_arch_config(TINY_LLAMA, str(tmp_path))
     out = tmp_path / "result.json"
     args = _parse("--model", model, "--load-format", "dummy", "--num-prompts", "5",
                   "--input-len", "12", "--output-len", "7", "--warmup", "2",
-                  "--num-kv-blocks", "64", "--device", "cpu", "--output-json", str(out))
+                  "--num-kv-blocks", "64", "--device", "cpu", "--output-json", str(out),
+                  "--tensor-parallel-size", str(tp))
     assert main(args) == 0
     result = json.loads(out.read_text())
     r = result["results"]["pagedllm"]
@@ -123,6 +125,7 @@ def test_throughput_on_dummy_weights_writes_exact_counts(tmp_path):
         assert key in env
     assert "commit" in env["git"]
     assert result["args"]["num_prompts"] == 5 and result["workload"]["load_format"] == "dummy"
+    assert result["args"]["tensor_parallel_size"] == tp
     assert result["engine"]["kv_blocks"] == 64 and "hf" not in result["results"]
 
 

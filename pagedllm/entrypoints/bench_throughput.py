@@ -84,6 +84,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-cache-memory", help="CPU KV pool, e.g. 4GiB")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs (or CPU processes) the model is split over (default 1)")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="overlap scheduling with the device's step (default: on for one CUDA device)")
     e.add_argument("--disable-detokenize", action="store_true",
@@ -206,6 +208,7 @@ class EngineBackend:
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "enable_prefix_caching": args.enable_prefix_caching, "device": args.device,
             "async_scheduling": args.async_scheduling,
+            "tensor_parallel_size": args.tensor_parallel_size,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }
         if args.kv_cache_memory is not None:
@@ -242,6 +245,7 @@ class EngineBackend:
         return {"async_scheduling": self.llm.engine.async_scheduling}
 
     def close(self) -> None:
+        self.llm.engine.shutdown()  # tensor-parallel workers exit (in-process: nothing to do)
         del self.llm  # frees the KV pool: the baseline needs the memory on GPU
         gc.collect()
         if self.device.type == "cuda":
