@@ -653,3 +653,42 @@ def test_bench_serve_on_random_weights_with_a_word_tokenizer(tmp_path):
         e.shutdown()
     r = json.loads(out.read_text())["results"]
     assert (r["completed"], r["total_input_tokens"], r["total_output_tokens"]) == (4, 48, 24)
+
+
+def test_async_scheduling_engine_serves_aborts_and_times_out_cleanly(tiny_dir):
+    """The server over an engine with async scheduling on (the CUDA default, forced here
+    on CPU): concurrent answers equal the ones given alone, clients that leave and
+    requests that time out free every block while a step may still be in flight."""
+    e = AsyncEngine.from_config(EngineConfig(model=tiny_dir, served_model_name=[MODEL], max_model_len=MAX_LEN,
+                                             num_kv_blocks=NUM_BLOCKS, async_scheduling=True))
+    try:
+        assert e.engine.async_scheduling
+        bodies = [completion([100 + i, 200 + i, 300 + i], max_tokens=10, ignore_eos=True) for i in range(6)]
+        with serve(make_app(e, limits=ServerLimits(request_timeout=0.5))) as u, http(u) as c:
+            alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+
+            def one(b):
+                with http(u) as cc:
+                    return cc.post("/v1/completions", json=b).json()["choices"][0]["text"]
+
+            assert run_all(*[lambda b=b: one(b) for b in bodies]) == alone
+
+            async def leave() -> None:
+                async with httpx.AsyncClient(base_url=u, headers=AUTH, timeout=30) as ac:
+                    async def mid_stream(i: int) -> None:
+                        body = completion(f"Story {i}", max_tokens=200, ignore_eos=True, stream=True)
+                        async with ac.stream("POST", "/v1/completions", json=body) as r:
+                            async for line in r.aiter_lines():
+                                if line.startswith("data: "):
+                                    break
+                    await asyncio.gather(*(mid_stream(i) for i in range(6)))
+
+            with slow_steps(e, 0.02):
+                asyncio.run(leave())
+                wait_idle(e, timeout=5)
+                assert_openai_error(c.post("/v1/completions", json=completion("Once", max_tokens=200,
+                                                                               ignore_eos=True)), 504, "request_timeout")
+                wait_idle(e, timeout=5)
+            assert c.post("/v1/completions", json=bodies[0]).json()["choices"][0]["text"] == alone[0]
+    finally:
+        e.shutdown()
