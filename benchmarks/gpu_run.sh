@@ -83,5 +83,6 @@ tp)
 quant)
     timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 256 2>&1 | tail -8
     timeout 300 python3 benchmarks/quant_decode.py --mode engine --batch 1 16 256 2>&1 | tail -8
+    timeout 200 python3 benchmarks/w4a16_variants.py 2>&1 | tail -16
     ;;
 esac
