@@ -34,6 +34,35 @@ for path in sys.argv[1:]:
 EOF
 }
 
+# serve_7b NAME CLIENTS PROMPTS [server flags...]: the server on gpu-7b's shape (random
+# weights, a word-per-id tokenizer) and `bench serve` at CLIENTS concurrent streams.
+serve_7b() {
+    local name=$1 clients=$2 prompts=$3 dir server
+    shift 3
+    dir=$(mktemp -d)
+    python3 - "$dir" <<'EOF'
+import sys
+from pagedllm.entrypoints.bench_workloads import LLAMA2_7B_CONFIG, write_arch_config, write_word_tokenizer
+write_arch_config(LLAMA2_7B_CONFIG, sys.argv[1])
+write_word_tokenizer(sys.argv[1], LLAMA2_7B_CONFIG["vocab_size"])
+EOF
+    python3 -m pagedllm.entrypoints.cli serve "$dir" --load-format dummy --dtype bfloat16 \
+        --served-model-name llama-2-7b-shape --port 8011 --max-model-len 4096 \
+        --log-level warning "$@" >"$OUT/server-$name.log" 2>&1 &
+    server=$!
+    for _ in $(seq 300); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" \
+            2>/dev/null && break
+        sleep 1
+    done
+    bench serve --base-url http://127.0.0.1:8011 --num-prompts "$prompts" --input-len 256 --output-len 256 \
+        --max-concurrency "$clients" --prompt-vocab-size 32000 --warmup 4 --temperature 1.0 \
+        --output-json "$OUT/gpu-7b-serve-$name.json" 2>&1 | tail -20
+    kill -INT $server
+    wait $server
+    summary "$OUT/gpu-7b-serve-$name.json"
+}
+
 case "${1:-throughput}" in
 tests)
     timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
@@ -50,28 +79,7 @@ baseline)
     summary "$OUT/gpu-0.6b.json"
     ;;
 serve)
-    dir=$(mktemp -d)
-    python3 - "$dir" <<'EOF'
-import sys
-from pagedllm.entrypoints.bench_workloads import LLAMA2_7B_CONFIG, write_arch_config, write_word_tokenizer
-write_arch_config(LLAMA2_7B_CONFIG, sys.argv[1])
-write_word_tokenizer(sys.argv[1], LLAMA2_7B_CONFIG["vocab_size"])
-EOF
-    python3 -m pagedllm.entrypoints.cli serve "$dir" --load-format dummy --dtype bfloat16 \
-        --served-model-name llama-2-7b-shape --port 8011 --max-model-len 4096 \
-        --log-level warning >"$OUT/server.log" 2>&1 &
-    server=$!
-    for _ in $(seq 300); do
-        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" \
-            2>/dev/null && break
-        sleep 1
-    done
-    bench serve --base-url http://127.0.0.1:8011 --num-prompts 256 --input-len 256 --output-len 256 \
-        --max-concurrency 64 --prompt-vocab-size 32000 --warmup 4 --temperature 1.0 \
-        --output-json "$OUT/gpu-7b-serve-c64.json" 2>&1 | tail -20
-    kill -INT $server
-    wait $server
-    summary "$OUT/gpu-7b-serve-c64.json"
+    serve_7b c64 64 256
     ;;
 tp)
     export NCCL_NVLS_ENABLE=0
@@ -79,6 +87,8 @@ tp)
     bench throughput --workload gpu-7b --output-json "$OUT/gpu-7b-tp1.json" 2>&1 | tail -2
     bench throughput --workload gpu-7b --tensor-parallel-size 2 --output-json "$OUT/gpu-7b-tp2.json" 2>&1 | tail -2
     summary "$OUT"/gpu-7b-tp*.json
+    serve_7b tp2-c1 1 16 --tensor-parallel-size 2
+    serve_7b tp1-c1 1 16
     ;;
 quant)
     timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 256 2>&1 | tail -8
