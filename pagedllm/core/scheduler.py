@@ -210,11 +210,13 @@ class Scheduler:
         token (it was computed from a valid context)."""
         results: list[tuple[Request, int | None]] = []
         for chunk in out.chunks:
-            if not chunk.sample:
-                continue
             req = self.requests.get(chunk.request_id)
             if req is None or req.is_finished:
                 continue  # aborted or stopped while the step ran
+            if not chunk.sample:  # a prefill chunk short of the prompt's end still fills blocks
+                if req.status == RequestStatus.RUNNING:
+                    self.kv.cache_full_blocks(req)
+                continue
             req.num_pending -= 1
             token = sampled.get(chunk.request_id)
             if token is None:
@@ -227,11 +229,6 @@ class Scheduler:
                 self._remove(req)
                 self._finish(req, status)
             results.append((req, token))
-        for chunk in out.chunks:  # prefill chunks that sample nothing still fill blocks
-            if not chunk.sample:
-                req = self.requests.get(chunk.request_id)
-                if req is not None and req.status == RequestStatus.RUNNING:
-                    self.kv.cache_full_blocks(req)
         return results
 
     def _remove(self, req: Request) -> None:

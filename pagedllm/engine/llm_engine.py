@@ -17,6 +17,7 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.output_processor import OutputProcessor, child_id
 from pagedllm.executor import ExecutorDeadError, make_executor
+from pagedllm.executor.uniproc import UniprocExecutor
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
 from pagedllm.outputs import RequestOutput
@@ -110,7 +111,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, source.path)
         self._num_seqs: dict[str, int] = {}
-        auto = on_gpu and hasattr(self.runner, "runner")  # one device, in this process
+        auto = on_gpu and isinstance(self.runner, UniprocExecutor)  # one device, in this process
         self.async_scheduling = auto if config.async_scheduling is None else config.async_scheduling
         self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
         self._stashed: list[RequestOutput] = []  # read after a later step failed to launch

@@ -43,11 +43,11 @@ class DecodeGraphs:
         self._turn = 0
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
         for host_t in self._hosts:
-            self.host_t, self.host = host_t, host_t.numpy()
-            self.host[self._off["q_start"] : self._off["q_start"] + b] = np.arange(b)
-            self.host[self._off["q_len"] : self._off["q_len"] + b] = 1
-            self._reset_padding(0)
-        self.dev.copy_(self.host_t)
+            h = host_t.numpy()
+            h[self._off["q_start"] : self._off["q_start"] + b] = np.arange(b)
+            h[self._off["q_len"] : self._off["q_len"] + b] = 1
+            self._reset_padding(h, 0)
+        self.dev.copy_(self._hosts[0])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
@@ -80,8 +80,7 @@ class DecodeGraphs:
             q_len=self._field("q_len", size), ctx_len=self._field("ctx", size),
         )
 
-    def _reset_padding(self, start: int) -> None:
-        h = self.host
+    def _reset_padding(self, h: np.ndarray, start: int) -> None:
         for name, value in (("ids", 0), ("pos", 0), ("slots", -1), ("ctx", 1)):
             off = self._off[name]
             h[off + start : off + self.max_batch] = value
@@ -97,16 +96,16 @@ class DecodeGraphs:
             return None
         size = next(s for s in self.sizes if s >= n)
         self._turn ^= 1
-        self.host_t = self._hosts[self._turn]
-        self.host = h = self.host_t.numpy()
+        host_t = self._hosts[self._turn]
+        h = host_t.numpy()
         if self._copied[self._turn] is not None:
             self._copied[self._turn].synchronize()
         for name, key in (("ids", "ids"), ("pos", "positions"), ("slots", "slots"), ("ctx", "ctx_len")):
             off = self._off[name]
             h[off : off + n] = arrays[key]
-        self._reset_padding(n)
+        self._reset_padding(h, n)
         self._tables(h)[:n, : tables.shape[1]] = tables
-        self.dev.copy_(self.host_t, non_blocking=True)
+        self.dev.copy_(host_t, non_blocking=True)
         done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
         done.record()
         if before_replay is not None:

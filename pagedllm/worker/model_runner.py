@@ -258,9 +258,7 @@ class ModelRunner:
         fill = arrays.get("fill")
         if fill is None:
             return
-        idx = torch.from_numpy(fill)
-        if self.device.type == "cuda":
-            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        (idx,) = self._to_device(fill)
         ids.index_copy_(0, idx[0], self._prev_tokens.index_select(0, idx[1]).to(ids.dtype))
 
     def _metadata(self, arrays: dict[str, np.ndarray], num_decode: int) -> tuple:
@@ -291,9 +289,7 @@ class ModelRunner:
         offsets = np.concatenate([[0], np.cumsum(padded)[:-1]])
         for off, part in zip(offsets, parts, strict=True):
             host[off : off + len(part)] = part
-        flat = torch.from_numpy(host)
-        if self.device.type == "cuda":
-            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        (flat,) = self._to_device(host)
         ids, pos, slots, q_start, q_len, ctx, tables, tiles_t = (
             flat[off : off + n] for off, n in zip(offsets.tolist(), sizes, strict=True))
         meta = AttentionMetadata(
@@ -346,9 +342,7 @@ class ModelRunner:
         if not sample_rows:
             self._prev_tokens, self._prev_rows = None, {}
             return LaunchedStep(self, out, [], None, None)
-        rows = torch.from_numpy(np.asarray(sample_rows, dtype=np.int64))
-        if self.device.type == "cuda":
-            rows = rows.pin_memory().to(self.device, non_blocking=True)
+        (rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
         if graph_logits is not None:
             logits = graph_logits.index_select(0, rows)
         else:

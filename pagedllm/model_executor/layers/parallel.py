@@ -32,9 +32,9 @@ def read_block(t, *index: slice) -> torch.Tensor:
     """`t[index]` (all of `t` when no index is given) as a tensor. For a lazy safetensors
     slice only that block is read from the file, which is how a rank avoids materialising
     a tensor it keeps one slice of; a torch tensor gives a view."""
-    if isinstance(t, torch.Tensor):
-        return t[index] if index else t
-    return t[index] if index else t[:]
+    if index:
+        return t[index]
+    return t if isinstance(t, torch.Tensor) else t[:]
 
 
 def _narrow(t, dim: int, start: int, length: int) -> torch.Tensor:

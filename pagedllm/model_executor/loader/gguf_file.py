@@ -213,27 +213,22 @@ def gguf_weights(path: str, config, quant: QuantConfig | None = None) -> Iterato
             if base == "rope_freqs":
                 continue  # recomputed from the config
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
+        # llama.cpp's converter permuted the q/k rows (output features); undone on the
+        # float rows, or on the whole block rows (= columns of qweight and scales) when
+        # kept packed, whose zero points are one constant and need no reordering.
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(base)
         if quant is not None and _is_linear_weight(t.name):
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
             if _PACKABLE.get(qtype) != quant.bits:
                 raise ValueError(f"GGUF tensor {t.name!r} is {qtype}, not {quant.bits}-bit packable")
-            blocks = t.data
-            # The q/k permutation reorders output features, i.e. whole block rows here
-            # (= columns of qweight and scales); the zero points are one constant, so the
-            # zeros need no reordering.
-            if permuted and base == "attn_q":
-                blocks = _unpermute(blocks, config.num_attention_heads)
-            elif permuted and base == "attn_k":
-                blocks = _unpermute(blocks, config.num_key_value_heads)
+            blocks = _unpermute(t.data, heads) if permuted and heads else t.data
             module = name.rpartition(".")[0]
             for part, tensor in _packed(blocks, quant.bits).items():
                 yield f"{module}.{part}", tensor
             continue
         data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if permuted and base == "attn_q":
-            data = _unpermute(data, config.num_attention_heads)
-        elif permuted and base == "attn_k":
-            data = _unpermute(data, config.num_key_value_heads)
+        if permuted and heads:
+            data = _unpermute(data, heads)
         data = np.ascontiguousarray(data)
         yield name, torch.from_numpy(data if data.flags.writeable else data.copy())
 

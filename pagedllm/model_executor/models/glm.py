@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pagedllm.model_executor.layers.parallel import shape_of
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 
 _GATE_UP = re.compile(r"(.+\.mlp)\.gate_up_proj\.(weight|bias)$")
@@ -25,7 +26,7 @@ def split_gate_up(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     a lazy safetensors slice (no `.shape`, read on indexing): both index the same way."""
     for name, t in weights:
         if m := _GATE_UP.match(name):
-            half = (t.shape if isinstance(t, torch.Tensor) else t.get_shape())[0] // 2
+            half = shape_of(t)[0] // 2
             yield f"{m[1]}.gate_proj.{m[2]}", t[:half]
             yield f"{m[1]}.up_proj.{m[2]}", t[half:]
         else:
