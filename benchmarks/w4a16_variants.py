@@ -28,6 +28,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from profile_decode import cuda_time  # noqa: E402
+
 from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw  # noqa: E402
 from pagedllm.model_executor.layers.quantization.packing import (  # noqa: E402
     dequantize,
@@ -54,10 +56,8 @@ def _plane_dot(a_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, M, N, K, group_size,
     for k0 in range(0, K, TILE_K):
         qw = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                      mask=n_mask[None, :], other=0)
-        g = k0 // group_size
-        s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-        zw = tl.load(z_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
-        z = ((zw >> ((offs_n % 8) * 4)) & 15).to(tl.float32)
+        s, z = tw._group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask,
+                                stride_sg, stride_sn, stride_zg, stride_zn, 4, 0)
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for j in tl.static_range(8):
@@ -84,10 +84,8 @@ def _dequant_tiles(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
     n_mask = offs_n < N
     qw = tl.load(qw_ptr + (k0 // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                  mask=n_mask[None, :], other=0)
-    g = k0 // group_size
-    s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0).to(tl.float32)
-    zw = tl.load(z_ptr + g * stride_zg + (offs_n // 8) * stride_zn, mask=n_mask, other=0)
-    z = ((zw >> ((offs_n % 8) * 4)) & 15).to(tl.float32)
+    s, z = tw._group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask,
+                            stride_sg, stride_sn, stride_zg, stride_zn, 4, 0)
     for j in tl.static_range(8):
         q = ((qw >> (j * 4)) & 15) | 0x4B000000
         w = (q.to(tl.float32, bitcast=True) - (8388608.0 + z[None, :])) * s[None, :]
@@ -143,19 +141,6 @@ def check(device: str, dtype: torch.dtype, shapes, batches) -> None:
                 print(f"check {name:10s} k={k} n={n} m={m}: rel err {err:.1e} {status}")
 
 
-def _ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
@@ -176,10 +161,10 @@ def _time_batch(m: int, shapes, layers, dense) -> list[float]:
     """bf16, the package's kernel, plane_dot, dequant_mm: ms for one layer's four linears."""
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k, _ in shapes]
     pairs = list(zip(xs, layers, strict=True))
-    return [_ms(lambda: [x @ d for x, d in zip(xs, dense, strict=True)]),
-            _ms(lambda: [tw.wna16_matmul(x, qw, s, qz, None, 128, 4, 0) for x, (qw, s, qz, _) in pairs]),
-            _ms(lambda: [plane_dot(x, qw, s, qz, 128) for x, (qw, s, qz, _) in pairs]),
-            _ms(lambda: [dequant_mm(x, qw, s, qz, 128) for x, (qw, s, qz, _) in pairs])]
+    return [cuda_time(lambda: [x @ d for x, d in zip(xs, dense, strict=True)]),
+            cuda_time(lambda: [tw.wna16_matmul(x, qw, s, qz, None, 128, 4, 0) for x, (qw, s, qz, _) in pairs]),
+            cuda_time(lambda: [plane_dot(x, qw, s, qz, 128) for x, (qw, s, qz, _) in pairs]),
+            cuda_time(lambda: [dequant_mm(x, qw, s, qz, 128) for x, (qw, s, qz, _) in pairs])]
 
 
 if __name__ == "__main__":

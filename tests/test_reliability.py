@@ -359,24 +359,26 @@ def test_request_timeout_aborts_and_frees_blocks(engine):
         assert short.status_code == 200
 
 
+async def leave_mid_stream(c: httpx.AsyncClient, body: dict) -> None:
+    """Stream a completion up to its first event, then hang up."""
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                break
+
+
 def test_client_disconnects_free_everything(engine, url):
     """Clients that leave mid-stream or before an answer, many at once: every request is
     aborted and the pool is full again."""
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as c:
-            async def leave_mid_stream(i: int) -> None:
-                body = completion(f"Story {i}", max_tokens=240, ignore_eos=True, stream=True)
-                async with c.stream("POST", "/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            break
-
             async def leave_early(i: int) -> None:
                 with contextlib.suppress(httpx.TimeoutException):
                     await c.post("/v1/completions", timeout=0.3,
                                  json=completion(f"Tale {i}", max_tokens=240, ignore_eos=True))
 
-            await asyncio.gather(*(leave_mid_stream(i) for i in range(8)),
+            await asyncio.gather(*(leave_mid_stream(c, completion(f"Story {i}", max_tokens=240, ignore_eos=True,
+                                                                  stream=True)) for i in range(8)),
                                  *(leave_early(i) for i in range(8)))
 
     with slow_steps(engine, 0.05):  # 240 tokens would take 12 s: longer than the wait below
@@ -675,13 +677,9 @@ def test_async_scheduling_engine_serves_aborts_and_times_out_cleanly(tiny_dir):
 
             async def leave() -> None:
                 async with httpx.AsyncClient(base_url=u, headers=AUTH, timeout=30) as ac:
-                    async def mid_stream(i: int) -> None:
-                        body = completion(f"Story {i}", max_tokens=200, ignore_eos=True, stream=True)
-                        async with ac.stream("POST", "/v1/completions", json=body) as r:
-                            async for line in r.aiter_lines():
-                                if line.startswith("data: "):
-                                    break
-                    await asyncio.gather(*(mid_stream(i) for i in range(6)))
+                    await asyncio.gather(*(leave_mid_stream(ac, completion(f"Story {i}", max_tokens=200,
+                                                                           ignore_eos=True, stream=True))
+                                           for i in range(6)))
 
             with slow_steps(e, 0.02):
                 asyncio.run(leave())

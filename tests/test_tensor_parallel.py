@@ -109,14 +109,11 @@ def _alive(pids: list[int], timeout: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("llama", {"num_key_value_heads": 1}),  # GQA, the one KV head replicated on both ranks
-    ("qwen2", {}),  # q/k/v bias, 2 KV heads split one per rank
-])
-def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
+def _assert_tp2_equals_tp1(path: str) -> None:
+    """Greedy tokens through LLM with two worker processes equal one in-process engine's,
+    and the workers are gone after shutdown."""
     from pagedllm import LLM
 
-    path, _ = tiny_models(model_type, **overrides)
     kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
     want = _greedy(LLM(path, **kw))
     llm = LLM(path, tensor_parallel_size=2, **kw)
@@ -129,23 +126,22 @@ def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
     assert _alive(pids) == []
 
 
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {"num_key_value_heads": 1}),  # GQA, the one KV head replicated on both ranks
+    ("qwen2", {}),  # q/k/v bias, 2 KV heads split one per rank
+])
+def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
+    path, _ = tiny_models(model_type, **overrides)
+    _assert_tp2_equals_tp1(path)
+
+
 def test_tp2_zoo_model_from_its_original_layout(tiny_models, tmp_path):
     """InternLM2's grouped wqkv, converted from a Llama reference, shards like the rest."""
     import zoo_converters as zc
 
-    from pagedllm import LLM
-
     _, hf = tiny_models("llama", num_key_value_heads=2)
     path = zc.to_internlm2(hf, str(tmp_path / "internlm2"))
-    kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
-    want = _greedy(LLM(path, **kw))
-    llm = LLM(path, tensor_parallel_size=2, **kw)
-    try:
-        assert _greedy(llm) == want
-    finally:
-        pids = llm.engine.runner.worker_pids
-        llm.engine.shutdown()
-    assert _alive(pids) == []
+    _assert_tp2_equals_tp1(path)
 
 
 def test_killed_worker_fails_the_run_quickly_and_leaves_no_orphans(tiny_models):
@@ -501,17 +497,7 @@ def test_tp2_quantized_greedy_equals_tp1(tmp_path, spec):
     from hf_models import save_tiny_model
     from quant_packers import write_quantized_checkpoint
 
-    from pagedllm import LLM
-
     hf = save_tiny_model(str(tmp_path / "float"), "llama", hidden_size=128, intermediate_size=256)
     path = str(tmp_path / "quantized")
     write_quantized_checkpoint(hf, path, spec)
-    kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
-    want = _greedy(LLM(path, **kw))
-    llm = LLM(path, tensor_parallel_size=2, **kw)
-    try:
-        assert _greedy(llm) == want
-    finally:
-        pids = llm.engine.runner.worker_pids
-        llm.engine.shutdown()
-    assert _alive(pids) == []
+    _assert_tp2_equals_tp1(path)

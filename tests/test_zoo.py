@@ -397,6 +397,13 @@ def test_qwen_v1_serves_chat_with_its_tokenizer(tmp_path):
 
 
 # ------------------------------------------------------------------ SentencePiece families
+def _write_corpus(path, words: str, seed: int) -> None:
+    """1500 lines of 12 words drawn from `words`: a training text for a tiny tokenizer."""
+    rng = random.Random(seed)
+    vocab = words.split()
+    path.write_text("\n".join(" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(1500)))
+
+
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
     """A tiny byte-fallback SentencePiece model (identity normalisation, as Llama-family
@@ -404,10 +411,7 @@ def sp_model(tmp_path_factory):
     import sentencepiece as spm
 
     d = tmp_path_factory.mktemp("sp")
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over a lazy dog hello world 你好 世界 model zoo".split()
-    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12))
-                                            for _ in range(1500)))
+    _write_corpus(d / "corpus.txt", "the quick brown fox jumps over a lazy dog hello world 你好 世界 model zoo", 0)
     spm.SentencePieceTrainer.train(
         input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=320, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
@@ -483,10 +487,7 @@ def baichuan_sp_model(tmp_path_factory):
     import sentencepiece as spm
 
     d = tmp_path_factory.mktemp("sp_baichuan")
-    rng = random.Random(1)
-    words = "the quick brown fox jumps over a lazy dog hello world 你好 世界".split()
-    (d / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(12))
-                                            for _ in range(1500)))
+    _write_corpus(d / "corpus.txt", "the quick brown fox jumps over a lazy dog hello world 你好 世界", 1)
     spm.SentencePieceTrainer.train(
         input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=260, model_type="bpe",
         character_coverage=1.0, hard_vocab_limit=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
