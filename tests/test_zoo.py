@@ -480,6 +480,79 @@ def test_chatglm_tokenizer_and_chat(tmp_path, sp_model):
     assert out.outputs[0].token_ids == ref_toks
 
 
+def test_chatglm2_round_format(tmp_path, sp_model):
+    """A checkpoint saved as chatglm2 (same files as ChatGLM3 otherwise) gets ChatGLM2's five
+    command tokens, its "[Round n]" prompt format and only </s> as the end token."""
+    from jinja2.exceptions import TemplateError
+
+    hf = _reference("glm", head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2,
+                    vocab_size=352)
+    path = tmp_path / "chatglm2-6b"
+    zc.to_chatglm(hf, str(path))
+    _sp_dir(tmp_path, sp_model, "chatglm2-6b", {
+        "name_or_path": "THUDM/chatglm2-6b", "tokenizer_class": "ChatGLMTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}})
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64)
+    tok = llm.engine.tokenizer
+    n = tok.sp.get_piece_size()
+    gmask, sop = n + 1, n + 3
+    assert "<|user|>" not in tok.special_tokens and len(tok) == n + 5
+    assert llm.engine.eos_token_ids == {2}
+    conv = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the fox"},
+            {"role": "user", "content": "你好"}]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert text == "[gMASK]sop[Round 1]\n\n问：hello\n\n答：the fox\n\n[Round 2]\n\n问：你好\n\n答："
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.prompt_token_ids == [gmask, sop, *tok.sp.encode(text[len("[gMASK]sop"):])]
+    ref_toks, _ = hf_greedy(hf, out.prompt_token_ids, 4)
+    assert out.outputs[0].token_ids == ref_toks
+    with pytest.raises(TemplateError, match="no place for a system message"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}, *conv[:1]])
+
+
+@pytest.fixture(scope="module")
+def internlm_sp_model(tmp_path_factory):
+    """A tiny SentencePiece model with InternLM (v1) chat's markers as user-defined pieces."""
+    import sentencepiece as spm
+
+    d = tmp_path_factory.mktemp("sp_internlm")
+    _write_corpus(d / "corpus.txt", "the quick brown fox jumps over a lazy dog hello world", 2)
+    spm.SentencePieceTrainer.train(
+        input=str(d / "corpus.txt"), model_prefix=str(d / "sp"), vocab_size=320, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0,
+        user_defined_symbols=["<eoh>", "<eoa>", "<|User|>", "<|Bot|>", "<|System|>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    return d / "sp.model"
+
+
+def test_internlm_v1_chat_format(tmp_path, internlm_sp_model):
+    """InternLM (v1) chat: BOS, "<|User|>:...<eoh>\n<|Bot|>:" per round; the markers are single
+    tokens, and a reply stops at <eoa> as well as at </s>."""
+    hf = _reference("llama", num_key_value_heads=4, attention_bias=True, vocab_size=352)
+    path = tmp_path / "internlm"
+    zc.to_internlm(hf, str(path))
+    _sp_dir(tmp_path, internlm_sp_model, "internlm", {
+        "tokenizer_class": "InternLMTokenizer", "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>",
+        "auto_map": {"AutoTokenizer": ["tokenization_internlm.InternLMTokenizer", None]}})
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64)
+    tok = llm.engine.tokenizer
+    sp = tok.sp
+    eoh, eoa, user, bot, system = (sp.piece_to_id(p) for p in ("<eoh>", "<eoa>", "<|User|>", "<|Bot|>",
+                                                                 "<|System|>"))
+    assert llm.engine.eos_token_ids == {2, eoa}
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "the fox"}, {"role": "user", "content": "a dog"}]
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True)
+    enc = sp.encode
+    assert ids == [1, system, *enc(":be brief\n"), user, *enc(":hello"), eoh, *enc("\n"), bot,
+                   *enc(":the fox"), eoa, *enc("\n"), user, *enc(":a dog"), eoh, *enc("\n"), bot, *enc(":")]
+    assert tok.decode(ids, skip_special_tokens=True).count("hello") == 1
+    out = llm.chat(conv, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.prompt_token_ids == ids
+    ref_toks, _ = hf_greedy(hf, ids, 4)
+    assert out.outputs[0].token_ids == ref_toks
+
+
 @pytest.fixture(scope="module")
 def baichuan_sp_model(tmp_path_factory):
     """A tiny SentencePiece model laid out like Baichuan2's: reserved pieces after

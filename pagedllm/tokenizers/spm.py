@@ -20,10 +20,32 @@ from pagedllm.tokenizers.chat import render_chat_template
 
 CHATGLM_COMMANDS = ("[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>",
                     "<|assistant|>", "<|observation|>")
+CHATGLM2_COMMANDS = 5  # ChatGLM2 has only the first five; the role tokens came with ChatGLM3
 # ChatGLM3's prompt format: [gMASK]sop, then "<|role|>\n content" per message.
 CHATGLM3_TEMPLATE = (
     "[gMASK]sop{% for m in messages %}<|{{ m['role'] }}|>\n {{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# ChatGLM2's prompt format (its build_prompt): numbered rounds of plain text,
+# "[Round n]\n\n问：{query}\n\n答：{response}\n\n", with no place for a system message.
+CHATGLM2_TEMPLATE = (
+    "[gMASK]sop{% set ns = namespace(round=0) %}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{% set ns.round = ns.round + 1 %}"
+    "[Round {{ ns.round }}]\n\n问：{{ m['content'] }}\n\n答："
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}\n\n"
+    "{% else %}{{ raise_exception('the built-in ChatGLM2 chat format has no place for a '"
+    " ~ m['role'] ~ ' message: pass chat_template=...') }}{% endif %}{% endfor %}"
+)
+INTERNLM_MARKS = ("<eoh>", "<eoa>")  # InternLM (v1) turn ends: pieces of its SentencePiece model
+# InternLM (v1) chat's prompt format (its build_inputs): BOS, an optional system line, then
+# "<|User|>:{query}<eoh>\n<|Bot|>:{response}<eoa>\n" per round; a reply ends with <eoa>.
+INTERNLM_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}<|System|>:{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}<|User|>:{{ m['content'] }}<eoh>\n"
+    "{% elif m['role'] == 'assistant' %}<|Bot|>:{{ m['content'] }}<eoa>\n"
+    "{% else %}{{ raise_exception('the built-in InternLM chat format has no place for a '"
+    " ~ m['role'] ~ ' message: pass chat_template=...') }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|Bot|>:{% endif %}"
 )
 
 
@@ -47,6 +69,24 @@ def _content(tok) -> str | None:
 def is_chatglm(config: dict) -> bool:
     return config.get("tokenizer_class") == "ChatGLMTokenizer" or "chatglm" in json.dumps(
         config.get("auto_map") or {}).lower()
+
+
+def _is_chatglm2(path: str, tokenizer_config: dict) -> bool:
+    """ChatGLM2 and ChatGLM3 ship the same tokenizer files and the same config fields; only
+    the name the checkpoint was saved under tells them apart (`name_or_path` in
+    tokenizer_config.json, `_name_or_path` in config.json, or the directory's name).
+    Anything not named chatglm2 gets ChatGLM3's format."""
+    names = [tokenizer_config.get("name_or_path"), os.path.basename(os.path.normpath(path))]
+    cfg_path = os.path.join(path, "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path) as f:
+            names.append(json.load(f).get("_name_or_path"))
+    return any(isinstance(n, str) and "chatglm2" in n.lower() for n in names)
+
+
+def _is_internlm_v1(tokenizer_config: dict) -> bool:
+    auto = json.dumps(tokenizer_config.get("auto_map") or {})
+    return tokenizer_config.get("tokenizer_class") == "InternLMTokenizer" or "tokenization_internlm." in auto
 
 
 def _baichuan_roles(path: str, sp) -> list[tuple[str, int]] | None:
@@ -87,9 +127,11 @@ class SentencePieceTokenizer:
                 cfg = json.load(f)
         n = self.sp.get_piece_size()
         self.chatglm = is_chatglm(cfg)
+        chatglm2 = self.chatglm and _is_chatglm2(path, cfg)
         specials: dict[str, int] = {}
         if self.chatglm:
-            specials = {t: n + i for i, t in enumerate(CHATGLM_COMMANDS)}
+            commands = CHATGLM_COMMANDS[:CHATGLM2_COMMANDS] if chatglm2 else CHATGLM_COMMANDS
+            specials = {t: n + i for i, t in enumerate(commands)}
         for sid, tok in (cfg.get("added_tokens_decoder") or {}).items():
             specials.setdefault(_content(tok), int(sid))
         self._template_vars: dict[str, str] = {}
@@ -98,9 +140,14 @@ class SentencePieceTokenizer:
             self._template_vars = {"user_token": roles[0][0], "assistant_token": roles[1][0]}
             specials.update(roles)  # so that encode() maps the written pieces back to the ids
         for i in range(n):  # control / user-defined pieces written literally in prompts
-            if self.sp.is_control(i) or (self.sp.id_to_piece(i).startswith("<|")
-                                         and self.sp.id_to_piece(i).endswith("|>")):
-                specials.setdefault(self.sp.id_to_piece(i), i)
+            piece = self.sp.id_to_piece(i)
+            if self.sp.is_control(i) or (piece.startswith("<|") and piece.endswith("|>")):
+                specials.setdefault(piece, i)
+        internlm = _is_internlm_v1(cfg)
+        for piece in INTERNLM_MARKS if internlm else ():
+            i = self.sp.piece_to_id(piece)
+            if i != self.sp.unk_id():
+                specials.setdefault(piece, i)
         self.special_tokens = specials
         self._id_to_special = {i: t for t, i in specials.items()}
         self._split = re.compile("(" + "|".join(
@@ -111,11 +158,14 @@ class SentencePieceTokenizer:
         self.add_bos = bool(cfg.get("add_bos_token", not self.chatglm)) and self.bos_token_id is not None
         eos = self._id(self.eos_token)
         self._eos = [eos] if eos is not None else []
-        if self.chatglm:  # a ChatGLM3 turn ends when the model starts the next role
+        if self.chatglm and not chatglm2:  # a ChatGLM3 turn ends when the model starts the next role
             self._eos += [specials["<|user|>"], specials["<|observation|>"]]
+        elif internlm and "<eoa>" in specials:  # an InternLM chat reply ends with <eoa>
+            self._eos.append(specials["<eoa>"])
         self.pad_token_id = self._id(_content(cfg.get("pad_token")))
-        self.chat_template = cfg.get("chat_template") or (
-            CHATGLM3_TEMPLATE if self.chatglm else BAICHUAN_TEMPLATE if roles else None)
+        builtin = (CHATGLM2_TEMPLATE if chatglm2 else CHATGLM3_TEMPLATE if self.chatglm
+                   else BAICHUAN_TEMPLATE if roles else INTERNLM_TEMPLATE if internlm else None)
+        self.chat_template = cfg.get("chat_template") or builtin
         self._size = max([n - 1, *specials.values()]) + 1
 
     def _piece(self, i: int) -> str | None:
