@@ -91,8 +91,7 @@ tp)
     serve_7b tp1-c1 1 16
     ;;
 quant)
-    timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 256 2>&1 | tail -8
+    timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 64 256 2048 2>&1 | tail -8
     timeout 300 python3 benchmarks/quant_decode.py --mode engine --batch 1 16 256 2>&1 | tail -8
-    timeout 200 python3 benchmarks/w4a16_variants.py 2>&1 | tail -16
     ;;
 esac

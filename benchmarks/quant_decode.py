@@ -130,20 +130,25 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
-    """Tile shapes (each one compile) times K splits (runtime arguments: free)."""
+    """Tile shapes (each one compile) times K splits (runtime arguments: free), and the
+    dequantize + cuBLAS path at a few chunk sizes."""
+    from pagedllm.model_executor.layers.quantization.triton_w4a16 import SCRATCH_ELEMENTS
+
     if batch == 1:
-        tiles_cfgs = [(1, bn, 128, w, 3) for bn in (64, 128, 256) for w in (4, 8)]
+        cfgs = [(False, 1, bn, 4, 3) for bn in (64, 128)]
     else:
-        tiles_cfgs = [(bm, bn, bk, w, 3) for bm in (16, 64, 128) for bn in (64, 128) for bk in (64, 128)
-                      for w in (4, 8) if bm <= max(16, batch) and bm * bn * bk <= 64 * 128 * 64]
+        cfgs = [(True, bm, 128, 4, st) for bm in (16, 32, 64) for st in (2, 3)
+                if bm <= max(16, batch) and (batch <= 16) == (bm == 16)]
     out = []
-    for bm, bn, bk, warps, stages in tiles_cfgs:
-        for target in (1, 2, 4, 8):
+    for planes, bm, bn, warps, stages in cfgs:
+        for target in (2, 4, 8):
             tiles = _cdiv(batch, bm) * _cdiv(n, bn)
-            split = max(1, min(_cdiv(target * sms, tiles), k // (2 * bk)))
+            split = max(1, min(_cdiv(target * sms, tiles), k // 256))
             kps = _cdiv(_cdiv(k, split), 128) * 128
-            out.append(dict(gemv=batch == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                            num_stages=stages, split=_cdiv(k, kps), k_per_split=kps))
+            out.append(dict(gemv=batch == 1, planes=planes, BLOCK_M=bm, BLOCK_N=bn,
+                            num_warps=warps, num_stages=stages, split=_cdiv(k, kps), k_per_split=kps))
+    if batch >= 16:
+        out += [dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS // d) for d in (1, 2, 4)]
     return out
 
 
@@ -183,6 +188,11 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
             results = [(ms, c) for c in _candidates(batch, n, k, sms)
                        if (ms := _time_config(x, mods, c)) is not None]
             best_ms, best = min(results, key=lambda r: r[0])
+            family = {}  # the best of each kernel
+            for ms, c in results:
+                name_c = "dequant" if c.get("dequant") else "planes" if c.get("planes") else "gemv"
+                if name_c not in family or ms < family[name_c][0]:
+                    family[name_c] = (ms, c)
             torch.nn.functional.linear(x, w)  # cuBLAS initialises outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -191,9 +201,12 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
                     torch.nn.functional.linear(x, w)
             bf16_ms = _median_ms(graph.replay, 10) / 10
             out.append({"linear": name, "batch": batch, "bf16_ms": round(bf16_ms, 4),
-                        "default_ms": round(default_ms, 4), "best_ms": round(best_ms, 4), "best": best})
+                        "default_ms": round(default_ms, 4), "best_ms": round(best_ms, 4), "best": best,
+                        "by_kernel": {f: {"ms": round(ms, 4), "config": c} for f, (ms, c) in family.items()}})
             print(f"{name:>8} M={batch:<4} bf16 {bf16_ms * 1e3:8.1f} us  default {default_ms * 1e3:8.1f} us"
                   f"  best {best_ms * 1e3:8.1f} us {best}")
+            for f, (ms, c) in family.items():
+                print(f"{'':>8} {f:>8} {ms * 1e3:8.1f} us {c}")
     return out
 
 

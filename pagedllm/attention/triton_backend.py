@@ -45,7 +45,7 @@ def _paged_attention_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, ALIBI: tl.constexpr,
+    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -83,7 +83,10 @@ def _paged_attention_kernel(
         page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, k) * scale_log2
+        if IEEE:  # float32 caches: full-precision products (tl.dot's default is TF32)
+            s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, k) * scale_log2
         if ALIBI:
             s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
@@ -93,7 +96,10 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + base[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -140,7 +146,7 @@ class TritonPagedAttention:
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_bt=meta.block_tables.stride(0),
             GROUP=group, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=page,
-            ALIBI=alibi_slopes is not None,
+            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused

@@ -322,6 +322,7 @@ class QuantizedLinear(nn.Module):
             tile_k = triton_w4a16.tile_k_for(bits)
             self.qweight = _param(tile_rows(self.qweight.data, bits, tile_k))
             self.tile_k = tile_k
+            triton_w4a16.scratch(self.qweight.device, self.dtype)  # now, not inside a graph capture
 
     def fill_random(self, generator: torch.Generator, std: float = 0.02) -> None:
         """Random packed weights (load_format='dummy'), dequantizing to about N(0, std)."""

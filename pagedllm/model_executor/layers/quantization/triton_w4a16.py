@@ -6,10 +6,13 @@ zero point and multiplies by the group's scale in float32, in registers. So the 
 stay packed in GPU memory, and decode, which is bound by reading the weights, has about a
 quarter of the bytes of bf16 to read.
 
-Two kernels share the layout:
+Three paths share the layout:
 - `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
   accumulator and reduces once at the end: no tensor cores, no operand shuffles.
-- `_wna16_gemm` (more rows) feeds a dequantized [BLOCK_K, BLOCK_N] tile to `tl.dot`.
+- `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
+  its raw values to `tl.dot`, scale and zero point applied to the product.
+- `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
+  columns into a small scratch buffer that stays in L2 and multiplies them with torch.mm.
 Small problems are split along K so that every SM has work; `_sum_splits` adds the
 float32 partials and casts in one launch.
 
@@ -134,17 +137,44 @@ def _sum_splits(p_ptr, c_ptr, numel, SPLIT, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _wna16_gemm(
+def _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, offs_k, K, stride_am, stride_ak, HAS_PERM: tl.constexpr):
+    """[BLOCK_M, 16] activations of one plane's input rows (0 past K), through `perm`."""
+    k_mask = offs_k < K
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+    else:
+        cols = offs_k
+    return tl.load(a_ptr + offs_m[:, None] * stride_am + cols[None, :] * stride_ak,
+                   mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _plane_dot(a, qw, shift, BITS: tl.constexpr, IEEE: tl.constexpr):
+    """a [BLOCK_M, 16] @ the raw values of one plane [16, BLOCK_N]: small integers, exact in
+    the activations' dtype, so tensor cores take them as they are."""
+    q = ((qw >> shift) & ((1 << BITS) - 1)) | 0x4B000000
+    w = q.to(tl.float32, bitcast=True) - 8388608.0
+    if IEEE:
+        return tl.dot(a, w, input_precision="ieee")
+    return tl.dot(a, w.to(a.dtype))
+
+
+@triton.jit
+def _wna16_planes(
     a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr,
     M, N, K, K_PER_SPLIT, group_size,
     stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     stride_cs, stride_cm, stride_cn,
     BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TILE_IN_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Many rows (prefill): a [BLOCK_K, BLOCK_N] weight tile is dequantized and fed to one
-    tl.dot. Each word is loaded by every row it holds (the repeats hit L1); BLOCK_K
-    divides the group size, so the tile has one scale and zero point per column."""
+    """Several rows (decode batches, prefill): each packed word is loaded once per program
+    and each of its values ("planes": 16 consecutive input rows) goes to tensor cores as a
+    raw integer, [BLOCK_M, 16] @ [16, BLOCK_N]. The zero point and scale are applied to
+    the product, not to every weight: sum_k a_k (q_k - z) s = s (sum_k a_k q_k - z sum_k a_k),
+    once per tile when the tile lies in one group (TILE_IN_GROUP), else once per plane.
+    Per weight that leaves shift, mask and a conversion, and no 8-fold reload of a word
+    (one per value it holds) as a dequantized [BLOCK_K, BLOCK_N] tile would need."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -153,32 +183,101 @@ def _wna16_gemm(
     pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, ROWS)
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_step in range(0, K_PER_SPLIT, BLOCK_K):
+    for k_step in range(0, K_PER_SPLIT, TILE_K):
         k0 = pid_k * K_PER_SPLIT + k_step
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        if HAS_PERM:
-            cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                     mask=(k0 < K) & n_mask[None, :], other=0)
+        if TILE_IN_GROUP:
+            s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
+                                 stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
+                                stride_am, stride_ak, HAS_PERM)
+                part += _plane_dot(a, qw, j * BITS, BITS, IEEE)
+                a_sum += tl.sum(a.to(tl.float32), axis=1)
+            acc += s[None, :] * (part - a_sum[:, None] * z[None, :])
         else:
-            cols = offs_k
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + cols[None, :] * stride_ak,
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        # Tiled layout: row k is value (k % TILE_K) // 16 of word (k // TILE_K) * 16 + k % 16.
-        words = (offs_k // TILE_K) * ROWS + offs_k % ROWS
-        qw = tl.load(qw_ptr + words[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                     mask=k_mask[:, None] & n_mask[None, :], other=0)
-        s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
-                             stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
-        w = _dequant(qw, ((offs_k % TILE_K) // ROWS * BITS)[:, None], z[None, :], s[None, :], BITS)
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a, w.to(a.dtype))
+            for j in tl.static_range(PACK):
+                kj = k0 + j * ROWS
+                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, kj + offs_r, K, stride_am, stride_ak, HAS_PERM)
+                s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
+                                     stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+                part = _plane_dot(a, qw, j * BITS, BITS, IEEE)
+                acc += s[None, :] * (part - tl.sum(a.to(tl.float32), axis=1)[:, None] * z[None, :])
     c = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_chunk(
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, n0, group_size,
+    stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_wk,
+    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Columns n0 .. n0 + chunk of the float weight, W[k, n - n0] = (q - z) s, written to a
+    scratch buffer [K, chunk] (row-major: stores coalesce along N)."""
+    PACK: tl.constexpr = 32 // BITS
+    ROWS: tl.constexpr = 16
+    TILE_K: tl.constexpr = ROWS * PACK
+    k0 = tl.program_id(1) * TILE_K
+    offs_c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = n0 + offs_c
+    offs_r = tl.arange(0, ROWS)
+    n_mask = offs_n < N
+    qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                 mask=n_mask[None, :], other=0)
+    for j in tl.static_range(PACK):
+        kj = k0 + j * ROWS
+        s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
+                             stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+        w = _dequant(qw, j * BITS, z[None, :], s[None, :], BITS)
+        rows = kj + offs_r
+        tl.store(w_ptr + rows[:, None] * stride_wk + offs_c[None, :], w.to(w_ptr.dtype.element_ty),
+                 mask=(rows < K)[:, None] & n_mask[None, :])
+
+
+# Many rows (large decode batches, prefill): dequantize a chunk of columns into a scratch
+# buffer and let cuBLAS multiply, chunk after chunk. The buffer is reused by every chunk and
+# every layer and is small enough to stay in L2 (60 MB on an H200), so the float weights are
+# written and read back mostly in cache: per weight HBM sees the packed read only.
+SCRATCH_ELEMENTS = 16 * 1024 * 1024
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The shared dequantization buffer of a device and dtype (made once, at load time by
+    QuantizedLinear, so never inside a CUDA-graph capture)."""
+    key = (torch.device(device), dtype)
+    if key not in _scratch:
+        _scratch[key] = torch.empty(SCRATCH_ELEMENTS, dtype=dtype, device=device)
+    return _scratch[key]
+
+
+def _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_offset, out, chunk_elements):
+    m, k = x.shape
+    n = out.shape[1]
+    if perm is not None:  # act-order: rows were sorted at load; gather x's columns to match
+        x = x.index_select(1, perm)
+    block_n = 128
+    chunk = max(block_n, min(triton.cdiv(n, block_n) * block_n, chunk_elements // k // block_n * block_n))
+    buf = scratch(x.device, x.dtype)
+    tile_k = tile_k_for(bits)
+    for n0 in range(0, n, chunk):
+        width = min(chunk, n - n0)
+        w = buf[:k * width].view(k, width)
+        _dequant_chunk[(triton.cdiv(width, block_n), triton.cdiv(k, tile_k))](
+            qweight, scales, qzeros, w, n0 + width, k, n0, group_size,
+            qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
+            qzeros.stride(0), qzeros.stride(1), w.stride(0),
+            BITS=bits, ZERO_OFFSET=zero_offset, BLOCK_N=block_n, num_warps=4)
+        torch.mm(x, w, out=out[:, n0:n0 + width])
+    return out
 
 
 def tile_k_for(bits: int) -> int:
@@ -191,36 +290,33 @@ def supports(in_features: int, group_size: int, bits: int) -> bool:
     return group_size % 16 == 0 or group_size >= in_features
 
 
-def _block_k(group_size: int, k: int, bits: int) -> int:
-    """GEMM K tile: divides the group (one scale row per tile) and the kernel's layout tile."""
-    g = group_size if group_size < k else tile_k_for(bits)
-    for bk in (128, 64, 32, 16):
-        if g % bk == 0 and tile_k_for(bits) % bk == 0:
-            return bk
-    return 16
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+DEQUANT_MIN_ROWS = 128  # from this many rows on, dequantize-to-scratch + cuBLAS wins
+
+
 def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int) -> dict:
-    """Kernel, block sizes and K split for one problem (a fixed table; no autotuning)."""
+    """Kernel, block sizes and K split for one problem: a fixed table measured on an H200
+    with `benchmarks/quant_decode.py --sweep` (no autotuning: the first request of a new
+    batch size must not pay for a search)."""
+    if m >= DEQUANT_MIN_ROWS:
+        return dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS)
     if m == 1:
-        # Measured on an H200 (benchmarks/quant_decode.py --sweep): wide blocks and about
-        # eight programs per SM for wide layers, narrower blocks and four for the rest.
-        bn = 256 if n >= 8192 else 128
-        bm, warps, stages, bk, programs = 1, 4, 3, tile_k_for(bits), (8 if bn == 256 else 4) * num_sms
+        bm, bn, warps, stages, programs = 1, 64, 4, 3, (8 if n < 8192 else 4) * num_sms
+    elif m <= 16:
+        bm, bn, warps, stages, programs = 16, 128, 4, 2, 8 * num_sms
     else:
-        bm, bn, warps, stages = (16, 64, 4, 3) if m <= 16 else (32, 64, 4, 3) if m <= 64 else (64, 128, 4, 3)
-        bk, programs = min(_block_k(group_size, k, bits), 64 if m > 64 else 128), 2 * num_sms
+        bm, bn, warps, stages, programs = 64, 128, 4, 3, 4 * num_sms
+    tile_k = tile_k_for(bits)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     # Enough programs to keep every SM's memory pipe full, at least two K tiles each.
-    split = max(1, min(triton.cdiv(programs, tiles), k // (2 * bk)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k_for(bits)) * tile_k_for(bits)
-    return dict(gemv=m == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                num_stages=stages, split=triton.cdiv(k, k_per_split), k_per_split=k_per_split)
+    split = max(1, min(triton.cdiv(programs, tiles), k // (2 * tile_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
+    return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -239,6 +335,10 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         return x.new_empty(0, n)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 8  # CPU: Triton's interpreter (tests)
     cfg = config or pick_config(m, n, k, group_size, bits, sms)
+    if cfg.get("dequant"):
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        return _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_offset, out,
+                               cfg["chunk_elements"])
     split = cfg["split"]
     if split == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -258,9 +358,10 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         in_group = group_size % tile_k == 0 or group_size >= k
         _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, TILE_IN_GROUP=in_group, **common)
     else:
+        in_group = group_size % tile_k == 0 or group_size >= k
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-        _wna16_gemm[grid](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
-                          BLOCK_K=cfg["BLOCK_K"], **common)
+        _wna16_planes[grid](*args, IEEE=x.dtype == torch.float32, TILE_IN_GROUP=in_group,
+                            BLOCK_M=cfg["BLOCK_M"], **common)
     if split == 1:
         return out
     result = torch.empty(m, n, dtype=x.dtype, device=x.device)
