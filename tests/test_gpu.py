@@ -42,6 +42,21 @@ def test_cuda_float32_parity(tiny_models, arch):
     hf.to("cpu")
 
 
+def test_cuda_sliding_window(tiny_models):
+    """Mistral's sliding window in the Triton kernel (decodes replayed from CUDA graphs,
+    chunked prefills): prompts several windows long, greedy tokens equal to HF's."""
+    path, hf = tiny_models("mistral", sliding_window=16)
+    hf = hf.to("cuda")
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda",
+              block_size=16, num_kv_blocks=256, max_num_batched_tokens=64)
+    prompts = _prompts(6, seed=13, lo=20, hi=100)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == _hf_run(hf, p, 24)[0]
+    hf.to("cpu")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_bf16_follows_hf_until_near_tie(tiny_models, arch):
     path, hf32 = tiny_models(arch)

@@ -6,9 +6,10 @@ transformers' own GLM / GLM-4 checkpoints."""
 from __future__ import annotations
 
 import json
-import logging
 import math
+import os
 import random
+import shutil
 
 import pytest
 import torch
@@ -127,27 +128,37 @@ def test_transformers_glm(tmp_path, model_type):
 
 
 # ------------------------------------------------------------------ Mistral sliding window
-def test_sliding_window_caps_context(tiny_models, caplog):
-    """Sliding-window attention is not implemented: the context is capped at the window,
-    where full attention equals the reference's windowed attention."""
-    path, hf = tiny_models("mistral", sliding_window=24)
-    with caplog.at_level(logging.WARNING, logger="pagedllm.engine.llm_engine"):
-        llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
-    assert llm.engine.max_model_len == 24
-    assert "sliding window of 24 tokens" in caplog.text and "capped to 24" in caplog.text
-    with pytest.raises(ValueError):  # no request runs past the window
-        llm.generate([{"prompt_token_ids": [1] * 24}], SamplingParams(max_tokens=1))
-    _check(path, hf, _prompts(3, seed=10, lo=8, hi=24 - MAX_NEW))
-    # a smaller context is the user's to choose; a larger one is refused, naming the window
-    small = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=16,
-                max_model_len=16)
-    assert small.engine.max_model_len == 16
-    with pytest.raises(ValueError, match="sliding window of 24 tokens"):
-        LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64, max_model_len=64)
+def test_mistral_sliding_window_past_the_window(tiny_models, tmp_path):
+    """Prompts and generations several windows long: each query sees only the last 8
+    positions, as in transformers' Mistral. Chunked prefill (a small token budget) and cached
+    prefixes (the second run) take the windowed paths of the prefill attention too."""
+    path, hf = tiny_models("mistral", sliding_window=8)
+    prompts = _prompts(4, seed=10, lo=12, hi=40)
+    llm_kw = dict(max_num_batched_tokens=16, enable_prefix_caching=True)
+    _check(path, hf, prompts, **llm_kw)
+    _check(path, hf, [p[:20] + [7, 7] for p in prompts[:2]], **llm_kw)
+    # the window matters for these prompts: full attention generates something else
+    cfg = json.loads(open(f"{path}/config.json").read())
+    cfg["sliding_window"] = None
+    full = tmp_path / "full"
+    full.mkdir()
+    for f in os.listdir(path):
+        if f != "config.json":
+            shutil.copy(os.path.join(path, f), full / f)
+    (full / "config.json").write_text(json.dumps(cfg))
+    got = [t for t, _ in _generate(str(full), prompts)]
+    assert got != [hf_greedy(hf, p, MAX_NEW)[0] for p in prompts]
 
 
-def test_no_cap_without_a_window_below_the_context(tiny_models):
-    """Mistral v0.2+ (`sliding_window: null`) and windows wider than the context keep it."""
+def test_qwen2_sliding_window_layers(tiny_models):
+    """Qwen2 with use_sliding_window: only the layers from max_window_layers on are windowed."""
+    path, hf = tiny_models("qwen2", sliding_window=6, use_sliding_window=True, max_window_layers=1)
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    _check(path, hf, _prompts(3, seed=12, lo=10, hi=30), max_num_batched_tokens=16)
+
+
+def test_window_wider_than_the_context_keeps_it(tiny_models):
+    """Mistral v0.2+ (`sliding_window: null`) and wide windows: the whole context."""
     for window in (None, 4096):
         path, _ = tiny_models("mistral", sliding_window=window)
         llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=16)

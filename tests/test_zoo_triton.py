@@ -33,3 +33,23 @@ def test_triton_alibi_matches_torch(case):
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
     plain = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
     assert not torch.allclose(plain, ref, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [1, 5, 37])
+def test_triton_sliding_window_matches_torch(case, window):
+    """Sliding-window layers (Mistral): the kernel masks keys `window` or more positions back
+    and skips the pages before them, as the torch backend masks them."""
+    hq, hkv, dim, page, seqs = case
+    seqs = sorted(seqs, key=lambda s: s[0] != 1)
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = _batch(seqs, hq, hkv, dim, page,
+                                                                   torch.float32)
+    q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
+    meta = _meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(hq // hkv))
+    scale = dim**-0.5
+    ref = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale, sliding_window=window)
+    out = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    if max(ctx) > window:  # the window cut something off
+        plain = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+        assert not torch.allclose(plain, ref, atol=1e-3)

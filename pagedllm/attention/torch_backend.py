@@ -6,7 +6,8 @@ layer whatever the batch size (two when the lengths are so mixed that padding th
 ones to the longest would waste a quarter of the gather). Prefill chunks are served one by one (few per step).
 
 ALiBi models (Baichuan-13B) pass per-head slopes: the score of query i on key j gets
--m_h * (i - j) added after the 1/sqrt(d) scaling.
+-m_h * (i - j) added after the 1/sqrt(d) scaling. Sliding-window layers (Mistral) pass the
+window W: query i sees keys i - W + 1 .. i.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         alibi_slopes: torch.Tensor | None = None,  # [Hq] float32, or None
+        sliding_window: int | None = None,  # a query sees this many positions, itself included
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -86,7 +88,10 @@ class TorchPagedAttention:
             kc = k_cache.index_select(0, tables).view(n, nblk * bs, hkv, dim).transpose(1, 2)
             vc = v_cache.index_select(0, tables).view(n, nblk * bs, hkv, dim).transpose(1, 2)
             pos = torch.arange(nblk * bs, device=q.device)
-            mask = (pos[None, :] < ctx[:, None])[:, None, None, :]
+            visible = pos[None, :] < ctx[:, None]
+            if sliding_window is not None:
+                visible &= pos[None, :] >= ctx[:, None] - sliding_window
+            mask = visible[:, None, None, :]
             if alibi_slopes is not None:
                 dist = pos[None, :] - (ctx[:, None] - 1)  # j - i, <= 0 where valid
                 bias = alibi_slopes[None, :, None, None] * dist[:, None, None, :].float()
@@ -111,7 +116,8 @@ class TorchPagedAttention:
                 ks = k_cache.index_select(0, table).view(-1, hkv, dim)[:ctx]
                 vs = v_cache.index_select(0, table).view(-1, hkv, dim)[:ctx]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-            if alibi_slopes is None and ctx == qlen:
+            windowed = sliding_window is not None and sliding_window < ctx
+            if alibi_slopes is None and ctx == qlen and not windowed:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=gqa)
             else:
@@ -119,6 +125,8 @@ class TorchPagedAttention:
                 dist = torch.arange(ctx, device=q.device)[None, :] - qpos[:, None]
                 if alibi_slopes is None:
                     mask = dist <= 0  # causal, offset by the cached prefix
+                    if windowed:
+                        mask &= dist > -sliding_window
                 else:
                     mask = (alibi_slopes[:, None, None] * dist.float()).masked_fill(
                         dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)

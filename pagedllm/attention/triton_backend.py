@@ -11,7 +11,8 @@ Decodes use one query per tile (grid: sequences x KV heads); prefills use tiles 
 the grid, which is what lets decode steps be captured in CUDA graphs.
 
 ALiBi models (Baichuan-13B) pass per-head slopes; the kernel adds -m_h * (i - j) to each
-score (ALIBI is a compile-time switch, so other models pay nothing).
+score (ALIBI is a compile-time switch, so other models pay nothing). Sliding-window layers
+(Mistral) mask keys more than `window - 1` positions back and skip the pages before them.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
 @triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes,
-    scale_log2,
+    scale_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr,
+    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -77,7 +78,10 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
     table = block_tables + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW:  # keys before the first one any row of the tile sees are skipped
+        kv_start = tl.maximum(ctx - qlen + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
         page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -90,6 +94,8 @@ def _paged_attention_kernel(
         if ALIBI:
             s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if WINDOW:
+            visible &= n[None, :] > qpos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -133,7 +139,7 @@ class TritonPagedAttention:
 
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                alibi_slopes: torch.Tensor | None = None):
+                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         hq, dim = q.shape[1], q.shape[2]
@@ -141,7 +147,8 @@ class TritonPagedAttention:
         group = hq // hkv
         page = k_cache.shape[1]
         common = dict(
-            scale_log2=scale * 1.4426950408889634,
+            scale_log2=scale * 1.4426950408889634, window=sliding_window or 0,
+            WINDOW=sliding_window is not None,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_bt=meta.block_tables.stride(0),

@@ -72,21 +72,11 @@ class LLMEngine:
         source = resolve_source(config.model, config.load_format)
         self.hf_config = load_hf_config(source)
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        # Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not
-        # implemented; within the window it equals full attention, so the context stops there.
-        # GGUF configs get transformers' default window, not the file's: no cap from them.
-        window = getattr(self.hf_config, "sliding_window", None) if source.kind == "hf" else None
-        if window and window < limit:
-            if config.max_model_len and config.max_model_len > window:
-                raise ValueError(
-                    f"max_model_len {config.max_model_len} exceeds the model's sliding window of "
-                    f"{window} tokens: sliding-window attention is not supported, so the context "
-                    f"is limited to the window (max_model_len <= {window})")
-            if not config.max_model_len:
-                logger.warning("the model attends through a sliding window of %d tokens, which "
-                               "is not supported: max_model_len capped to %d (of %d positions)",
-                               window, window, limit)
-            limit = window
+        # Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window) are masked by
+        # the attention backends. GGUF configs get transformers' default window, not the
+        # file's, so none is applied to them.
+        if source.kind != "hf" and getattr(self.hf_config, "sliding_window", None):
+            self.hf_config.sliding_window = None
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")

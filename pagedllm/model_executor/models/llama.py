@@ -74,6 +74,7 @@ class ModelShape:
         self.rotary_dim = int(self.head_dim * rotary_pct)
         self.rotary_interleaved = is_glm or bool(getattr(config, "rotary_interleaved", False))
         self.alibi = bool(getattr(config, "alibi", False))
+        self.layer_windows = sliding_windows(config)
         # Tensor parallelism: from here on num_heads / num_kv_heads / intermediate are this
         # rank's (what its KV cache and attention kernels see); the totals size the checkpoint.
         self.tp_size = tp = get_tp_world_size()
@@ -84,6 +85,20 @@ class ModelShape:
                                               "num_key_value_heads", replicate=True)
         self.total_intermediate = self.intermediate
         self.intermediate = self.intermediate // tp  # divisibility checked by the layers
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per layer, how many past positions a query sees (itself included), or None for all:
+    transformers' `sliding_window`, on every layer (Mistral, Mixtral) or on the layers that
+    `layer_types` marks "sliding_attention" (Qwen2/Qwen3 with use_sliding_window)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * n
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return [int(window)] * n
+    return [int(window) if kind == "sliding_attention" else None for kind in kinds]
 
 
 def make_linear(in_features: int, out: int | dict[str, int], bias: bool,
@@ -102,9 +117,10 @@ def make_linear(in_features: int, out: int | dict[str, int], bias: bool,
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelShape, rotary: RotaryEmbedding, backend):
+    def __init__(self, s: ModelShape, rotary: RotaryEmbedding, backend, window: int | None = None):
         super().__init__()
         self.s = s
+        self.window = window
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         # split by heads, not evenly by rows: KV heads may be replicated
@@ -122,6 +138,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = s.head_dim**-0.5
+        if window is not None and s.alibi:
+            raise NotImplementedError("ALiBi with a sliding window")
         if s.alibi and not getattr(backend, "supports_alibi", False):
             raise NotImplementedError(
                 f"ALiBi models (Baichuan-13B) need an attention backend with ALiBi; "
@@ -138,7 +156,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not s.alibi:
             q, k = self.rotary(positions, q, k)
-            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                     sliding_window=self.window)
         else:
             slopes = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
@@ -163,9 +182,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape, rotary, backend):
+    def __init__(self, s: ModelShape, rotary, backend, window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(s, rotary, backend)
+        self.self_attn = Attention(s, rotary, backend, window)
         self.mlp = MLP(s)
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
@@ -194,7 +213,7 @@ class DecoderModel(nn.Module):
     def __init__(self, s: ModelShape, rotary, backend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary, backend) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(s, rotary, backend, w) for w in s.layer_windows)
         self.norm = RMSNorm(s.hidden, s.eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
