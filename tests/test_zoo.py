@@ -470,15 +470,19 @@ def test_sentencepiece_family_tokenizers(tmp_path, sp_model):
     assert internlm2.decode(ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_chatglm_tokenizer_and_chat(tmp_path, sp_model):
+def _chatglm_llm(tmp_path, sp_model, name: str, tokenizer_config: dict):
+    """A ChatGLM-layout checkpoint of a tiny Glm reference with a ChatGLM tokenizer."""
     hf = _reference("glm", head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2,
                     vocab_size=352)
-    path = tmp_path / "chatglm"
-    zc.to_chatglm(hf, str(path))
-    _sp_dir(tmp_path, sp_model, "chatglm", {
-        "tokenizer_class": "ChatGLMTokenizer", "padding_side": "left",
+    zc.to_chatglm(hf, str(tmp_path / name))
+    _sp_dir(tmp_path, sp_model, name, {
+        "tokenizer_class": "ChatGLMTokenizer", **tokenizer_config,
         "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}})
-    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64)
+    return hf, LLM(model=str(tmp_path / name), block_size=4, num_kv_blocks=64)
+
+
+def test_chatglm_tokenizer_and_chat(tmp_path, sp_model):
+    hf, llm = _chatglm_llm(tmp_path, sp_model, "chatglm", {"padding_side": "left"})
     tok = llm.engine.tokenizer
     n = tok.sp.get_piece_size()
     gmask, sop, user, assistant = n + 1, n + 3, n + 6, n + 7
@@ -496,14 +500,7 @@ def test_chatglm2_round_format(tmp_path, sp_model):
     command tokens, its "[Round n]" prompt format and only </s> as the end token."""
     from jinja2.exceptions import TemplateError
 
-    hf = _reference("glm", head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2,
-                    vocab_size=352)
-    path = tmp_path / "chatglm2-6b"
-    zc.to_chatglm(hf, str(path))
-    _sp_dir(tmp_path, sp_model, "chatglm2-6b", {
-        "name_or_path": "THUDM/chatglm2-6b", "tokenizer_class": "ChatGLMTokenizer",
-        "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}})
-    llm = LLM(model=str(path), block_size=4, num_kv_blocks=64)
+    hf, llm = _chatglm_llm(tmp_path, sp_model, "chatglm2-6b", {"name_or_path": "THUDM/chatglm2-6b"})
     tok = llm.engine.tokenizer
     n = tok.sp.get_piece_size()
     gmask, sop = n + 1, n + 3

@@ -59,6 +59,13 @@ def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg
 
 
 @triton.jit
+def _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK: tl.constexpr):
+    """The [16, BLOCK_N] packed words of the tile that starts at input row k0 (0 past K)."""
+    return tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
+                   mask=(k0 < K) & n_mask[None, :], other=0)
+
+
+@triton.jit
 def _plane_activations(a_ptr, perm_ptr, offs_k, K, stride_ak, HAS_PERM: tl.constexpr):
     """The activations of 16 input rows (float32; 0 past K), through `perm` for act-order."""
     k_mask = offs_k < K
@@ -100,8 +107,7 @@ def _wna16_gemv(
     # last split's tiles past K are masked out, scales and zeros included.
     for k_step in range(0, K_PER_SPLIT, TILE_K):
         k0 = pid_k * K_PER_SPLIT + k_step
-        qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                     mask=(k0 < K) & n_mask[None, :], other=0)
+        qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
         if TILE_IN_GROUP:
             s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
@@ -189,8 +195,7 @@ def _wna16_planes(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_step in range(0, K_PER_SPLIT, TILE_K):
         k0 = pid_k * K_PER_SPLIT + k_step
-        qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                     mask=(k0 < K) & n_mask[None, :], other=0)
+        qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
         if TILE_IN_GROUP:
             s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
@@ -230,8 +235,7 @@ def _dequant_chunk(
     offs_n = n0 + offs_c
     offs_r = tl.arange(0, ROWS)
     n_mask = offs_n < N
-    qw = tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
-                 mask=n_mask[None, :], other=0)
+    qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
     for j in tl.static_range(PACK):
         kj = k0 + j * ROWS
         s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
