@@ -39,6 +39,14 @@ def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b; with float32 caches in full precision (tl.dot's default for float32 is TF32)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes,
     scale_log2, window,
@@ -87,10 +95,7 @@ def _paged_attention_kernel(
         page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if IEEE:  # float32 caches: full-precision products (tl.dot's default is TF32)
-            s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        else:
-            s = tl.dot(q, k) * scale_log2
+        s = _dot(q, k, IEEE) * scale_log2
         if ALIBI:
             s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
@@ -102,10 +107,7 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + base[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]

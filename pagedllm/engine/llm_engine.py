@@ -6,7 +6,6 @@ the async front end runs the same loop on its own thread.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import load_tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):

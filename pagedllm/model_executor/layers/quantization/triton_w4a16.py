@@ -355,17 +355,15 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
             scales.stride(0), scales.stride(1), qzeros.stride(0), qzeros.stride(1), *out_strides)
     common = dict(BITS=bits, ZERO_OFFSET=zero_offset, HAS_PERM=perm is not None, BLOCK_N=cfg["BLOCK_N"],
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  TILE_IN_GROUP=group_size % tile_k == 0 or group_size >= k)
     if cfg["gemv"]:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
-        in_group = group_size % tile_k == 0 or group_size >= k
-        _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, TILE_IN_GROUP=in_group, **common)
+        _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, **common)
     else:
-        in_group = group_size % tile_k == 0 or group_size >= k
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-        _wna16_planes[grid](*args, IEEE=x.dtype == torch.float32, TILE_IN_GROUP=in_group,
-                            BLOCK_M=cfg["BLOCK_M"], **common)
+        _wna16_planes[grid](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], **common)
     if split == 1:
         return out
     result = torch.empty(m, n, dtype=x.dtype, device=x.device)
