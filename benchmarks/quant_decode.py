@@ -134,19 +134,25 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
     dequantize + cuBLAS path at a few chunk sizes."""
     from pagedllm.model_executor.layers.quantization.triton_w4a16 import SCRATCH_ELEMENTS
 
-    if batch == 1:
-        cfgs = [(False, 1, bn, 4, 3) for bn in (64, 128)]
+    if batch == 1:  # (gemv, BLOCK_M, BLOCK_N, warps, stages)
+        cfgs = [(True, 1, bn, w, 3) for bn, w in ((32, 1), (64, 2), (64, 4), (128, 2), (128, 4), (256, 4))]
+    elif batch <= 16:
+        cfgs = [(False, 16, bn, w, st) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (256, 8))
+                for st in (2, 3)]
+    elif batch <= 64:
+        cfgs = [(False, bm, 128, 4, st) for bm in (32, 64) for st in (2, 3)]
     else:
-        cfgs = [(True, bm, 128, 4, st) for bm in (16, 32, 64) for st in (2, 3)
-                if bm <= max(16, batch) and (batch <= 16) == (bm == 16)]
+        cfgs = [(False, bm, bn, w, 3) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))]
     out = []
-    for planes, bm, bn, warps, stages in cfgs:
-        for target in (2, 4, 8):
+    for gemv, bm, bn, warps, stages in cfgs:
+        for target in (1, 2, 4, 8, 16):
             tiles = _cdiv(batch, bm) * _cdiv(n, bn)
             split = max(1, min(_cdiv(target * sms, tiles), k // 256))
             kps = _cdiv(_cdiv(k, split), 128) * 128
-            out.append(dict(gemv=batch == 1, planes=planes, BLOCK_M=bm, BLOCK_N=bn,
-                            num_warps=warps, num_stages=stages, split=_cdiv(k, kps), k_per_split=kps))
+            cfg = dict(gemv=gemv, planes=not gemv, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                       num_stages=stages, split=_cdiv(k, kps), k_per_split=kps)
+            if cfg not in out:
+                out.append(cfg)
     if batch >= 16:
         out += [dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS // d) for d in (1, 2, 4)]
     return out
@@ -200,7 +206,7 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
                 for _ in range(10):
                     torch.nn.functional.linear(x, w)
             bf16_ms = _median_ms(graph.replay, 10) / 10
-            out.append({"linear": name, "batch": batch, "bf16_ms": round(bf16_ms, 4),
+            out.append({"linear": name, "k": k, "n": n, "batch": batch, "bf16_ms": round(bf16_ms, 4),
                         "default_ms": round(default_ms, 4), "best_ms": round(best_ms, 4), "best": best,
                         "by_kernel": {f: {"ms": round(ms, 4), "config": c} for f, (ms, c) in family.items()}})
             print(f"{name:>8} M={batch:<4} bf16 {bf16_ms * 1e3:8.1f} us  default {default_ms * 1e3:8.1f} us"
@@ -265,6 +271,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--sweep", action="store_true", help="also time alternative kernel configs per shape")
+    p.add_argument("--sweep-best", action="store_true", help="time the stack with the sweep's best configs")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device (the CPU path dequantizes once and runs float matmuls)")
@@ -276,6 +283,13 @@ def main() -> int:
     print(f"{result['device']}: device-to-device copy {result['copy_GBps']} GB/s")
     if args.sweep:
         result["sweep"] = sweep(args, quant, dtype)
+        if args.sweep_best:  # the stack below runs each shape's fastest configuration
+            from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
+
+            best = {(r["batch"], r["n"], r["k"]): r["best"] for r in result["sweep"]}
+            table = tw.pick_config
+            tw.pick_config = lambda m, n, k, *rest: best.get((m, n, k)) or table(m, n, k, *rest)
+            result["layers_configs"] = "the sweep's best per shape"
     if args.mode in ("layers", "both"):
         rows = bench_layers(args, quant, dtype)
         result["layers"] = rows

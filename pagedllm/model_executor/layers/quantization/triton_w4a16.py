@@ -1,20 +1,25 @@
 """Triton kernels for GPTQ/AWQ weights: float activations x packed 4-bit (or 2/8-bit) weights.
 
 `out[M, N] = x[M, K] @ W[K, N]` where W is never materialised in memory: each program
-loads the int32 words of its weight tile, shifts the values out, subtracts the group's
-zero point and multiplies by the group's scale in float32, in registers. So the weights
-stay packed in GPU memory, and decode, which is bound by reading the weights, has about a
-quarter of the bytes of bf16 to read.
+loads the int32 words of its weight tile and turns each value into q - z in registers
+(`_plane_values`: one logic op and one FMA per weight, no shifts, no int-to-float
+conversion); the group's scale multiplies partial sums, not weights. So the weights stay
+packed in GPU memory, and decode, which is bound by reading the weights, has about a
+quarter of the bytes of bf16 to read. At batch 1 the kernel is bound by instruction issue
+rather than by memory, which is why the instruction count per weight is the design's
+first concern (checked on the SASS of each kernel).
 
 Three paths share the layout:
 - `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
   accumulator and reduces once at the end: no tensor cores, no operand shuffles.
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
-  its raw values to `tl.dot`, scale and zero point applied to the product.
+  its values to `tl.dot` as small integers q - z, the scale applied to the product.
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
   columns into a small scratch buffer that stays in L2 and multiplies them with torch.mm.
-Small problems are split along K so that every SM has work; `_sum_splits` adds the
-float32 partials and casts in one launch.
+Small problems are split along K so that every SM has work; the split that finishes
+last adds the float32 partials (`_finish`) in the same launch, in a fixed order. The
+split counters are shared by the device's launches, which therefore must not overlap
+(the engine runs its model on one stream).
 
 Layout: qweight is in the tiled layout of packing.tile_rows (K padded to a multiple of
 TILE_K = 16 * values-per-word; value j of each word of a tile is a "plane" of 16
@@ -22,9 +27,9 @@ consecutive input rows). qzeros [G, N/pack] int32 packed along N; scales [G, N] 
 row k belongs to group k // group_size (act-order checkpoints were sorted at load, and
 `perm` gathers the activation columns to match).
 
-Robustness over cleverness: plain loads, arithmetic and `tl.dot`; no autotuning (block
-sizes come from a small table measured on an H200), no TMA, no warp specialisation, no
-inline assembly.
+Robustness over cleverness: plain loads, arithmetic, `tl.dot` and one atomic counter per
+split tile; no autotuning (block sizes come from a small table measured on an H200), no
+TMA, no warp specialisation, no inline assembly.
 
 This module imports triton at the top: import it only when a CUDA tensor needs it.
 """
@@ -39,23 +44,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequant(qw, shift, z, s, BITS: tl.constexpr):
-    """Shifted-out values -> float32 weights, (q - z) * s. q becomes a float without an
-    int-to-float conversion (a slow instruction): placed under 2^23's exponent, its bits
-    read as the float 2^23 + q exactly."""
-    q = ((qw >> shift) & ((1 << BITS) - 1)) | 0x4B000000
-    return (q.to(tl.float32, bitcast=True) - (8388608.0 + z)) * s
+def _plane_values(qw, qw_hi, z, exp23, J: tl.constexpr, BITS: tl.constexpr):
+    """q - z for value J of every word, exact in float32 ([rows, BLOCK_N]; z broadcasts).
+
+    The value is not shifted down: masked where it lies (bit E = BITS * J) and placed
+    under 2^23's exponent, its bits read as the float 2^23 + q * 2^E, and one fused
+    multiply-add, f * 2^-E - (2^(23-E) + z), leaves q - z exactly (both sides are small
+    integers). Per weight that is one logic op and one FMA: no shift, no int-to-float
+    conversion. Values above bit 23 come from the word shifted down by 16 once (qw_hi).
+    `exp23` is 0x4B000000 passed at run time: as a constant the compiler would emit the
+    mask and the OR as two instructions (one immediate each); in a register they fuse."""
+    if BITS * (J + 1) <= 23:
+        E: tl.constexpr = BITS * J
+        bits = qw & (((1 << BITS) - 1) << E)
+    else:
+        E: tl.constexpr = BITS * J - 16
+        bits = qw_hi & (((1 << BITS) - 1) << E)
+    f = (bits | exp23).to(tl.float32, bitcast=True)
+    return f * (1.0 / (1 << E)) - ((1 << (23 - E)) + z)
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg, stride_zn,
+def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg, stride_zn, exp23,
                   BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
-    """Scales and zero points (float32, [BLOCK_N]) of group g."""
+    """Scales and zero points (float32, [BLOCK_N]) of group g. The zero point becomes a
+    float through 2^23's exponent too (int-to-float conversions run at a quarter rate)."""
     PACK: tl.constexpr = 32 // BITS
     s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask, other=0.0).to(tl.float32)
     zw = tl.load(z_ptr + g * stride_zg + (offs_n // PACK) * stride_zn, mask=mask, other=0)
-    z = ((zw >> ((offs_n % PACK) * BITS)) & ((1 << BITS) - 1)) + ZERO_OFFSET
-    return s, z.to(tl.float32)
+    zf = (((zw >> ((offs_n % PACK) * BITS)) & ((1 << BITS) - 1)) | exp23).to(tl.float32, bitcast=True)
+    return s, zf - (8388608.0 - ZERO_OFFSET)
 
 
 @triton.jit
@@ -63,6 +81,25 @@ def _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PAC
     """The [16, BLOCK_N] packed words of the tile that starts at input row k0 (0 past K)."""
     return tl.load(qw_ptr + (k0 // PACK + offs_r)[:, None] * stride_qk + offs_n[None, :] * stride_qn,
                    mask=(k0 < K) & n_mask[None, :], other=0)
+
+
+@triton.jit
+def _finish(acc, c_ptrs, p_ptrs, stride_ps, mask, cnt_ptr, tile, pid_k, n_split, SPLIT_K: tl.constexpr):
+    """Write a tile of the output. Split along K, each split stores its float32 partial
+    and counts itself in; the split that arrives last adds the partials in split order
+    (the same sum every run) and writes the tile, then resets the counter for the next
+    launch. One launch per product: no second kernel to add the splits."""
+    if SPLIT_K:
+        tl.store(p_ptrs + pid_k * stride_ps, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+            total = tl.zeros_like(acc)
+            for i in range(0, n_split):
+                total += tl.load(p_ptrs + i * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(c_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -78,22 +115,21 @@ def _plane_activations(a_ptr, perm_ptr, offs_k, K, stride_ak, HAS_PERM: tl.const
 
 @triton.jit
 def _wna16_gemv(
-    a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr,
-    M, N, K, K_PER_SPLIT, group_size,
+    a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, p_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, exp23,
     stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-    stride_cs, stride_cm, stride_cn,
-    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILE_IN_GROUP: tl.constexpr,
+    stride_cm, stride_cn, stride_ps,
+    GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """One row (batch-1 decode): no tensor cores, so no operand shuffles through shared
     memory. Each plane of 16 rows is dequantized in registers and multiplied into a
     [16, BLOCK_N] float32 accumulator of the same layout, reduced once at the end.
 
-    The kernel is bound by the arithmetic of unpacking, not by memory, so when a whole
-    tile lies in one group (TILE_IN_GROUP: group size a multiple of the tile, or one
-    group) the scale and zero point are applied once per tile instead of per weight:
-    sum_k a_k (q_k - z) s = s (sum_k a_k q_k - z sum_k a_k). Per weight that leaves shift,
-    mask, one float subtract and one multiply-add."""
+    The kernel is bound by instruction issue, not by memory, so every instruction per
+    weight counts: q - z costs a logic op and an FMA (_plane_values), the product one
+    FMA, and when a whole tile lies in one group (TILE_IN_GROUP: group size a multiple of
+    the tile, or one group) the scale is applied once per tile, to the partial sums."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -108,38 +144,25 @@ def _wna16_gemv(
     for k_step in range(0, K_PER_SPLIT, TILE_K):
         k0 = pid_k * K_PER_SPLIT + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
+        qw_hi = qw >> 16
         if TILE_IN_GROUP:
-            s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
-                                 stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
+                                 stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
             part = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-            a_sum = tl.zeros((ROWS,), dtype=tl.float32)
             for j in tl.static_range(PACK):
                 a = _plane_activations(a_ptr, perm_ptr, k0 + j * ROWS + offs_r, K, stride_ak, HAS_PERM)
-                q = ((qw >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
-                part += a[:, None] * (q.to(tl.float32, bitcast=True) - 8388608.0)
-                a_sum += a
-            acc += s[None, :] * (part - a_sum[:, None] * z[None, :])
+                part += a[:, None] * _plane_values(qw, qw_hi, z[None, :], exp23, j, BITS)
+            acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
                 kj = k0 + j * ROWS  # value j of the tile's words: rows kj .. kj + 15
                 a = _plane_activations(a_ptr, perm_ptr, kj + offs_r, K, stride_ak, HAS_PERM)
                 # 16 | group_size (or a single group): the plane lies in one group.
-                s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
-                                     stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
-                acc += a[:, None] * _dequant(qw, j * BITS, z[None, :], s[None, :], BITS)
-    out = tl.sum(acc, axis=0)
-    tl.store(c_ptr + pid_k * stride_cs + offs_n * stride_cn, out.to(c_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _sum_splits(p_ptr, c_ptr, numel, SPLIT, BLOCK: tl.constexpr):
-    """out = sum of the split-K partials (float32), cast to the output dtype: one launch."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(0, SPLIT):
-        acc += tl.load(p_ptr + i * numel + offs, mask=mask, other=0.0)
-    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+                s, z = _group_params(s_ptr, z_ptr, kj // GROUP, offs_n, n_mask & (kj < K),
+                                     stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+                acc += a[:, None] * (_plane_values(qw, qw_hi, z[None, :], exp23, j, BITS) * s[None, :])
+    _finish(tl.sum(acc, axis=0), c_ptr + offs_n * stride_cn, p_ptr + offs_n, stride_ps, n_mask,
+            cnt_ptr, pid_n, pid_k, tl.num_programs(1), SPLIT_K)
 
 
 @triton.jit
@@ -150,37 +173,34 @@ def _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, offs_k, K, stride_am, stride_ak
         cols = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
     else:
         cols = offs_k
-    return tl.load(a_ptr + offs_m[:, None] * stride_am + cols[None, :] * stride_ak,
+    return tl.load(a_ptr + offs_m[:, None] * stride_am + cols * stride_ak,
                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
 
 
 @triton.jit
-def _plane_dot(a, qw, shift, BITS: tl.constexpr, IEEE: tl.constexpr):
-    """a [BLOCK_M, 16] @ the raw values of one plane [16, BLOCK_N]: small integers, exact in
-    the activations' dtype, so tensor cores take them as they are."""
-    q = ((qw >> shift) & ((1 << BITS) - 1)) | 0x4B000000
-    w = q.to(tl.float32, bitcast=True) - 8388608.0
+def _plane_dot(a, w, acc, IEEE: tl.constexpr):
+    """acc + a [BLOCK_M, 16] @ w [16, BLOCK_N] (w = q - z: small integers, exact in the
+    activations' dtype, so tensor cores take them as they are)."""
     if IEEE:
-        return tl.dot(a, w, input_precision="ieee")
-    return tl.dot(a, w.to(a.dtype))
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w.to(a.dtype), acc)
 
 
 @triton.jit
 def _wna16_planes(
-    a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr,
-    M, N, K, K_PER_SPLIT, group_size,
+    a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, p_ptr, cnt_ptr,
+    M, N, K, K_PER_SPLIT, exp23,
     stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
-    stride_cs, stride_cm, stride_cn,
-    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
-    TILE_IN_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_cm, stride_cn, stride_ps,
+    GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
+    TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Several rows (decode batches, prefill): each packed word is loaded once per program
-    and each of its values ("planes": 16 consecutive input rows) goes to tensor cores as a
-    raw integer, [BLOCK_M, 16] @ [16, BLOCK_N]. The zero point and scale are applied to
-    the product, not to every weight: sum_k a_k (q_k - z) s = s (sum_k a_k q_k - z sum_k a_k),
-    once per tile when the tile lies in one group (TILE_IN_GROUP), else once per plane.
-    Per weight that leaves shift, mask and a conversion, and no 8-fold reload of a word
-    (one per value it holds) as a dequantized [BLOCK_K, BLOCK_N] tile would need."""
+    """Several rows (decode batches): each packed word is loaded once per program and each
+    of its values ("planes": 16 consecutive input rows) goes to tensor cores as the small
+    integer q - z, [BLOCK_M, 16] @ [16, BLOCK_N]. The scale multiplies the product, once
+    per tile when the tile lies in one group (TILE_IN_GROUP), else once per plane. Triton
+    moves the packed words (not the unpacked weights) into the tensor cores' operand
+    layout, so the shuffle costs one word per 8 weights."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -196,34 +216,35 @@ def _wna16_planes(
     for k_step in range(0, K_PER_SPLIT, TILE_K):
         k0 = pid_k * K_PER_SPLIT + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
+        qw_hi = qw >> 16
         if TILE_IN_GROUP:
-            s, z = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, n_mask & (k0 < K),
-                                 stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
+                                 stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for j in tl.static_range(PACK):
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
                                 stride_am, stride_ak, HAS_PERM)
-                part += _plane_dot(a, qw, j * BITS, BITS, IEEE)
-                a_sum += tl.sum(a.to(tl.float32), axis=1)
-            acc += s[None, :] * (part - a_sum[:, None] * z[None, :])
+                part = _plane_dot(a, _plane_values(qw, qw_hi, z[None, :], exp23, j, BITS), part, IEEE)
+            acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
                 kj = k0 + j * ROWS
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, kj + offs_r, K, stride_am, stride_ak, HAS_PERM)
-                s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
-                                     stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
-                part = _plane_dot(a, qw, j * BITS, BITS, IEEE)
-                acc += s[None, :] * (part - tl.sum(a.to(tl.float32), axis=1)[:, None] * z[None, :])
-    c = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+                s, z = _group_params(s_ptr, z_ptr, kj // GROUP, offs_n, n_mask & (kj < K),
+                                     stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+                zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc += s[None, :] * _plane_dot(a, _plane_values(qw, qw_hi, z[None, :], exp23, j, BITS), zero, IEEE)
+    tile = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    _finish(acc, c_ptr + tile, p_ptr + offs_m[:, None] * N + offs_n[None, :], stride_ps,
+            m_mask[:, None] & n_mask[None, :], cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
+            tl.num_programs(2), SPLIT_K)
 
 
 @triton.jit
 def _dequant_chunk(
-    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, n0, group_size,
+    qw_ptr, s_ptr, z_ptr, w_ptr, N, K, n0, exp23,
     stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn, stride_wk,
-    BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Columns n0 .. n0 + chunk of the float weight, W[k, n - n0] = (q - z) s, written to a
     scratch buffer [K, chunk] (row-major: stores coalesce along N)."""
@@ -236,11 +257,12 @@ def _dequant_chunk(
     offs_r = tl.arange(0, ROWS)
     n_mask = offs_n < N
     qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
+    qw_hi = qw >> 16
     for j in tl.static_range(PACK):
         kj = k0 + j * ROWS
-        s, z = _group_params(s_ptr, z_ptr, kj // group_size, offs_n, n_mask & (kj < K),
-                             stride_sg, stride_sn, stride_zg, stride_zn, BITS, ZERO_OFFSET)
-        w = _dequant(qw, j * BITS, z[None, :], s[None, :], BITS)
+        s, z = _group_params(s_ptr, z_ptr, kj // GROUP, offs_n, n_mask & (kj < K),
+                             stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+        w = _plane_values(qw, qw_hi, z[None, :], exp23, j, BITS) * s[None, :]
         rows = kj + offs_r
         tl.store(w_ptr + rows[:, None] * stride_wk + offs_c[None, :], w.to(w_ptr.dtype.element_ty),
                  mask=(rows < K)[:, None] & n_mask[None, :])
@@ -251,13 +273,29 @@ def _dequant_chunk(
 # every layer and is small enough to stay in L2 (60 MB on an H200), so the float weights are
 # written and read back mostly in cache: per weight HBM sees the packed read only.
 SCRATCH_ELEMENTS = 16 * 1024 * 1024
+EXP23 = 0x4B000000  # the bits of the float 2^23 (_plane_values)
+# Split-K tiles count their finished splits here (_finish); each count is back to 0 when
+# its launch ends. One slot per output tile of one product.
+COUNTERS = 1 << 16
 _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def counters(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters (zeros)."""
+    device = torch.device(device)
+    if device not in _counters:
+        _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The shared dequantization buffer of a device and dtype (made once, at load time by
-    QuantizedLinear, so never inside a CUDA-graph capture)."""
-    key = (torch.device(device), dtype)
+    """The shared dequantization buffer of a device and dtype. QuantizedLinear calls this
+    at load time, which also makes the device's counters: so neither is allocated inside
+    a CUDA-graph capture."""
+    device = torch.device(device)
+    counters(device)
+    key = (device, dtype)
     if key not in _scratch:
         _scratch[key] = torch.empty(SCRATCH_ELEMENTS, dtype=dtype, device=device)
     return _scratch[key]
@@ -276,10 +314,10 @@ def _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_off
         width = min(chunk, n - n0)
         w = buf[:k * width].view(k, width)
         _dequant_chunk[(triton.cdiv(width, block_n), triton.cdiv(k, tile_k))](
-            qweight, scales, qzeros, w, n0 + width, k, n0, group_size,
+            qweight, scales, qzeros, w, n0 + width, k, n0, EXP23,
             qweight.stride(0), qweight.stride(1), scales.stride(0), scales.stride(1),
             qzeros.stride(0), qzeros.stride(1), w.stride(0),
-            BITS=bits, ZERO_OFFSET=zero_offset, BLOCK_N=block_n, num_warps=4)
+            GROUP=group_size, BITS=bits, ZERO_OFFSET=zero_offset, BLOCK_N=block_n, num_warps=4)
         torch.mm(x, w, out=out[:, n0:n0 + width])
     return out
 
@@ -308,16 +346,18 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     batch size must not pay for a search)."""
     if m >= DEQUANT_MIN_ROWS:
         return dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS)
+    # (block rows, block columns, warps, pipeline stages, programs to aim for, fewest K
+    # tiles per split). Splits finish in the same launch (_finish), but each one writes a
+    # float32 partial, so with more rows fewer splits pay.
     if m == 1:
-        bm, bn, warps, stages, programs = 1, 64, 4, 3, (8 if n < 8192 else 4) * num_sms
+        bm, bn, warps, stages, programs, min_tiles = 1, 64, 4, 3, 8 * num_sms, 3
     elif m <= 16:
-        bm, bn, warps, stages, programs = 16, 128, 4, 2, 8 * num_sms
+        bm, bn, warps, stages, programs, min_tiles = 16, 64 if n >= 8192 else 128, 4, 3, 4 * num_sms, 4
     else:
-        bm, bn, warps, stages, programs = 64, 128, 4, 3, 4 * num_sms
+        bm, bn, warps, stages, programs, min_tiles = 64, 128, 4, 3, 2 * num_sms, 2
     tile_k = tile_k_for(bits)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    # Enough programs to keep every SM's memory pipe full, at least two K tiles each.
-    split = max(1, min(triton.cdiv(programs, tiles), k // (2 * tile_k)))
+    split = max(1, min(triton.cdiv(programs, tiles), k // (min_tiles * tile_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 split=triton.cdiv(k, k_per_split), k_per_split=k_per_split)
@@ -344,28 +384,26 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         return _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_offset, out,
                                cfg["chunk_elements"])
     split = cfg["split"]
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        out_strides = (0, out.stride(0), out.stride(1))
-    else:
-        out = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        out_strides = out.stride()
-    args = (x, qweight, scales, qzeros, perm if perm is not None else qweight, out,
-            m, n, k, cfg["k_per_split"], group_size,
+    grid_n = triton.cdiv(n, cfg["BLOCK_N"])
+    grid_m = 1 if cfg["gemv"] else triton.cdiv(m, cfg["BLOCK_M"])
+    if split > 1 and grid_n * grid_m > COUNTERS:
+        raise ValueError(f"{grid_n * grid_m} output tiles: more than the {COUNTERS} split-K counters")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # Split-K partials (float32, [split, m, n]); without a split the kernel never reads it.
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    args = (x, qweight, scales, qzeros, perm if perm is not None else qweight, out, partials,
+            counters(x.device), m, n, k, cfg["k_per_split"], EXP23,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
-            scales.stride(0), scales.stride(1), qzeros.stride(0), qzeros.stride(1), *out_strides)
-    common = dict(BITS=bits, ZERO_OFFSET=zero_offset, HAS_PERM=perm is not None, BLOCK_N=cfg["BLOCK_N"],
+            scales.stride(0), scales.stride(1), qzeros.stride(0), qzeros.stride(1),
+            out.stride(0), out.stride(1), m * n)
+    common = dict(GROUP=group_size, BITS=bits, ZERO_OFFSET=zero_offset, HAS_PERM=perm is not None, BLOCK_N=cfg["BLOCK_N"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  TILE_IN_GROUP=group_size % tile_k == 0 or group_size >= k)
+                  TILE_IN_GROUP=group_size % tile_k == 0 or group_size >= k, SPLIT_K=split > 1)
     if cfg["gemv"]:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
-        _wna16_gemv[(triton.cdiv(n, cfg["BLOCK_N"]), split)](*args, **common)
+        _wna16_gemv[(grid_n, split)](*args, **common)
     else:
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
-        _wna16_planes[grid](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], **common)
-    if split == 1:
-        return out
-    result = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _sum_splits[(triton.cdiv(m * n, 1024),)](out, result, m * n, split, BLOCK=1024)
-    return result
+        _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
+                                               **common)
+    return out
