@@ -8,56 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from w4a16_reference import check_kernel, random_layer
 
-from pagedllm.model_executor.layers.quantization.packing import (
-    dequantize,
-    pack_cols,
-    pack_rows,
-    tile_rows,
-)
+from pagedllm.model_executor.layers.quantization.packing import dequantize, tile_rows
 
 pytestmark = pytest.mark.gpu
-
-
-def _random_layer(k: int, n: int, group_size: int, bits: int, zero_offset: int, act_order: bool, seed: int):
-    """Random internal-layout tensors on CUDA (fresh values per case, never zeros)."""
-    g = torch.Generator().manual_seed(seed)
-    gs = k if group_size == -1 else group_size
-    groups = -(-k // gs)
-    q = torch.randint(0, 1 << bits, (k, n), generator=g)
-    z = torch.randint(0, (1 << bits) - zero_offset, (groups, n), generator=g)
-    s = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).half()
-    perm = torch.randperm(k, generator=g).to(torch.int32) if act_order else None
-    t = dict(qweight=pack_rows(q, bits), qzeros=pack_cols(z, bits), scales=s, perm=perm)
-    return {key: v.cuda() if v is not None else None for key, v in t.items()}, gs
 
 
 def test_tiled_layout_round_trip():
     from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
 
     for bits, k in ((4, 4096), (4, 200), (8, 1000), (2, 512)):
-        t, gs = _random_layer(k, 48, 64 if k % 64 == 0 else -1, bits, 0, False, seed=k)
+        t, gs = random_layer(k, 48, 64 if k % 64 == 0 else -1, bits, 0, False, seed=k)
         tiled = tile_rows(t["qweight"], bits, tw.tile_k_for(bits))
         plain = dequantize(t["qweight"], t["qzeros"], t["scales"], gs, bits, 0)
         assert torch.equal(dequantize(tiled, t["qzeros"], t["scales"], gs, bits, 0, None, torch.float32,
                                       tw.tile_k_for(bits), k), plain)
-
-
-def _check(m: int, k: int, n: int, group_size: int, act_order: bool, bits: int = 4, zero_offset: int = 1,
-           dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
-
-    t, gs = _random_layer(k, n, group_size, bits, zero_offset, act_order, seed)
-    w = dequantize(t["qweight"], t["qzeros"], t["scales"], gs, bits, zero_offset, t["perm"])  # fp32 [n, k]
-    x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1)).to(dtype)
-    ref = x.double() @ w.double().t()
-    tiled = tile_rows(t["qweight"], bits, tw.tile_k_for(bits))
-    out = tw.wna16_matmul(x, tiled, t["scales"], t["qzeros"], t["perm"], gs, bits, zero_offset)
-    assert out.dtype == dtype and out.shape == (m, n)
-    assert torch.isfinite(out).all()
-    err = ((out.double() - ref).norm() / ref.norm()).item()
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    assert err < tol, f"relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("m", [1, 16, 256])
@@ -66,7 +32,7 @@ def _check(m: int, k: int, n: int, group_size: int, act_order: bool, bits: int =
 @pytest.mark.parametrize("act_order", [False, True])
 def test_kernel_matches_dequantized_matmul(m, k, n, group_size, act_order):
     if group_size == -1 or k % group_size == 0:
-        _check(m, k, n, group_size, act_order, seed=m + k + n + group_size)
+        check_kernel(m, k, n, group_size, act_order, seed=m + k + n + group_size)
     else:
         pytest.skip("K not a multiple of the group size")
 
@@ -77,7 +43,7 @@ def test_kernel_matches_dequantized_matmul(m, k, n, group_size, act_order):
     (2, 0, torch.bfloat16),
 ])
 def test_kernel_bits_zero_offsets_dtypes(m, bits, zero_offset, dtype):
-    _check(m, 1024, 528, 128, act_order=m % 2 == 1, bits=bits, zero_offset=zero_offset, dtype=dtype, seed=m)
+    check_kernel(m, 1024, 528, 128, act_order=m % 2 == 1, bits=bits, zero_offset=zero_offset, dtype=dtype, seed=m)
 
 
 @pytest.mark.parametrize("m", [3, 33])
@@ -85,7 +51,7 @@ def test_kernel_bits_zero_offsets_dtypes(m, bits, zero_offset, dtype):
 def test_kernel_partial_last_group_and_odd_sizes(m, group_size):
     """K not a multiple of the group (the last group is short) nor of the kernel's tile,
     N not a multiple of the block, a group size that is only a multiple of 16."""
-    _check(m, 800, 72, group_size, act_order=m > 10, dtype=torch.float16)
+    check_kernel(m, 800, 72, group_size, act_order=m > 10, dtype=torch.float16)
 
 
 def test_quantized_layer_stays_packed_on_cuda(tiny_models, tmp_path):

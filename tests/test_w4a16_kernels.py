@@ -1,0 +1,64 @@
+"""The W4A16 kernels on small problems, against dequantize-then-matmul: each of the three
+paths (GEMV, planes, dequantize + matmul), 2/4/8-bit, act-order, partial groups, and K
+split several ways, where the split that finishes last adds the partials and resets its
+counter. Small enough for Triton's CPU interpreter.
+
+Runs on CUDA; with TRITON_INTERPRET=1 and Triton installed it also runs on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from w4a16_reference import check_kernel  # noqa: E402
+
+from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+FP = torch.float32 if INTERPRET else torch.float16  # the interpreter's dot has no fp16 inputs
+
+
+def _config(m: int, k: int, split: int, block_n: int = 32) -> dict:
+    kps = -(-k // split // 128) * 128
+    return dict(gemv=m == 1, planes=m > 1, BLOCK_M=16, BLOCK_N=block_n, num_warps=4, num_stages=2,
+                split=-(-k // kps), k_per_split=kps)
+
+
+@pytest.mark.parametrize(("m", "k", "n", "group_size", "act_order", "bits", "zero_offset"), [
+    (1, 512, 72, 128, False, 4, 1),  # GEMV, one tile per group
+    (1, 800, 72, 48, True, 4, 0),  # GEMV, groups smaller than a tile, K not a tile multiple
+    (1, 1024, 40, 64, False, 8, 1),
+    (1, 512, 48, 128, True, 2, 0),
+    (3, 800, 72, 48, True, 4, 1),  # planes
+    (7, 1024, 40, 128, True, 8, 1),
+    (2, 512, 48, -1, False, 2, 0),
+    (17, 512, 40, 32, False, 4, 1),
+    (130, 512, 40, 128, True, 4, 1),  # dequantize + matmul
+    (130, 800, 72, 48, False, 8, 0),
+])
+def test_each_path_matches_dequantized_matmul(m, k, n, group_size, act_order, bits, zero_offset):
+    check_kernel(m, k, n, group_size, act_order, bits, zero_offset, torch.float32, seed=m + k + n, device=DEV)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("split", [1, 2, 3, 8])
+def test_split_k_is_added_in_the_same_launch(m, split):
+    """Splits of uneven length (the last one short); the counters are back to zero after
+    every launch, so the next product starts clean."""
+    cfg = _config(m, 1000, split)
+    assert cfg["split"] == split
+    for seed in (0, 1):  # twice: the second launch reuses the counters the first one left
+        check_kernel(m, 1000, 40, 128, act_order=m > 1, dtype=torch.float32, seed=seed, device=DEV, config=cfg)
+        assert int(tw.counters(torch.device(DEV)).abs().sum()) == 0
+
+
+def test_half_precision_activations():
+    check_kernel(5, 512, 72, 128, False, 4, 0, FP, seed=3, device=DEV)
+    check_kernel(1, 512, 72, 64, True, 4, 1, FP, seed=4, device=DEV)
