@@ -149,10 +149,11 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
             tiles = _cdiv(batch, bm) * _cdiv(n, bn)
             split = max(1, min(_cdiv(target * sms, tiles), k // 256))
             kps = _cdiv(_cdiv(k, split), 128) * 128
-            cfg = dict(gemv=gemv, planes=not gemv, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                       num_stages=stages, split=_cdiv(k, kps), k_per_split=kps)
-            if cfg not in out:
-                out.append(cfg)
+            for zero_in_dot in (False,) if gemv else (True, False):
+                cfg = dict(gemv=gemv, planes=not gemv, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+                           num_stages=stages, split=_cdiv(k, kps), k_per_split=kps, zero_in_dot=zero_in_dot)
+                if cfg not in out:
+                    out.append(cfg)
     if batch >= 16:
         out += [dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS // d) for d in (1, 2, 4)]
     return out
@@ -168,13 +169,19 @@ def _time_config(x, mods: list[QuantizedLinear], cfg: dict | None) -> float | No
             tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.group_size, 4, m.quant.zero_offset, cfg)
 
     try:
+        m = mods[0]  # the configuration must compute the right product before it is timed
+        out = tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.group_size, 4, m.quant.zero_offset, cfg)
+        ref = x.float() @ m.dequantized_weight(torch.float32).t()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not err < 2e-2:
+            raise ValueError(f"relative error {err:.2e}")
         run_all()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run_all()
     except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
-        print(f"  skip {cfg}: {type(e).__name__}", file=sys.stderr)
+        print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
         return None
     graph.replay()
     return _median_ms(graph.replay, 10) / len(mods)

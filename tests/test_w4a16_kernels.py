@@ -62,3 +62,11 @@ def test_split_k_is_added_in_the_same_launch(m, split):
 def test_half_precision_activations():
     check_kernel(5, 512, 72, 128, False, 4, 0, FP, seed=3, device=DEV)
     check_kernel(1, 512, 72, 64, True, 4, 1, FP, seed=4, device=DEV)
+
+
+@pytest.mark.parametrize("zero_in_dot", [True, False])
+@pytest.mark.parametrize("group_size", [128, 48])
+def test_planes_zero_point_in_the_product_or_in_the_weights(zero_in_dot, group_size):
+    """Both ways the tensor-core kernel applies the zero point give the same product."""
+    cfg = {**_config(5, 800, 2), "zero_in_dot": zero_in_dot}
+    check_kernel(5, 800, 72, group_size, True, 4, 1, torch.float32, seed=group_size, device=DEV, config=cfg)

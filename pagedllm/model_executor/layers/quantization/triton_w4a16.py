@@ -13,7 +13,8 @@ Three paths share the layout:
 - `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
   accumulator and reduces once at the end: no tensor cores, no operand shuffles.
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
-  its values to `tl.dot` as small integers q - z, the scale applied to the product.
+  its values to `tl.dot` as small integers (up to 16 rows the zero point goes through the
+  tensor cores as a second product), the scale applied to the product.
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
   columns into a small scratch buffer that stays in L2 and multiplies them with torch.mm.
 Small problems are split along K so that every SM has work; the split that finishes
@@ -187,6 +188,21 @@ def _plane_dot(a, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _plane_product(a, qw, qw_hi, z, acc, exp23, J: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr,
+                   ZERO_IN_DOT: tl.constexpr):
+    """acc + a @ (q - z) for plane J. ZERO_IN_DOT: q alone goes through the unpacking (whose
+    only other operands are constants, so Triton converts the packed words, not the
+    weights, to the tensor cores' layout: no shared-memory round trip and no barrier per
+    plane), and a second product a @ (-z) adds the zero point on the tensor cores.
+    Otherwise q - z is formed per weight (one instruction fewer, a shuffle per plane)."""
+    if ZERO_IN_DOT:
+        neg_z = tl.zeros((16, qw.shape[1]), dtype=tl.float32) - z[None, :]
+        acc = _plane_dot(a, _plane_values(qw, qw_hi, 0.0, 0x4B000000, J, BITS), acc, IEEE)
+        return _plane_dot(a, neg_z, acc, IEEE)
+    return _plane_dot(a, _plane_values(qw, qw_hi, z[None, :], exp23, J, BITS), acc, IEEE)
+
+
+@triton.jit
 def _wna16_planes(
     a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, p_ptr, cnt_ptr,
     M, N, K, K_PER_SPLIT, exp23,
@@ -194,13 +210,13 @@ def _wna16_planes(
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ZERO_IN_DOT: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
-    of its values ("planes": 16 consecutive input rows) goes to tensor cores as the small
-    integer q - z, [BLOCK_M, 16] @ [16, BLOCK_N]. The scale multiplies the product, once
-    per tile when the tile lies in one group (TILE_IN_GROUP), else once per plane. Triton
-    moves the packed words (not the unpacked weights) into the tensor cores' operand
-    layout, so the shuffle costs one word per 8 weights."""
+    of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
+    integer, [BLOCK_M, 16] @ [16, BLOCK_N] (_plane_product). The scale multiplies the
+    product, once per tile when the tile lies in one group (TILE_IN_GROUP), else once per
+    plane."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -224,7 +240,7 @@ def _wna16_planes(
             for j in tl.static_range(PACK):
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
                                 stride_am, stride_ak, HAS_PERM)
-                part = _plane_dot(a, _plane_values(qw, qw_hi, z[None, :], exp23, j, BITS), part, IEEE)
+                part = _plane_product(a, qw, qw_hi, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT)
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
@@ -233,7 +249,7 @@ def _wna16_planes(
                 s, z = _group_params(s_ptr, z_ptr, kj // GROUP, offs_n, n_mask & (kj < K),
                                      stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
                 zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc += s[None, :] * _plane_dot(a, _plane_values(qw, qw_hi, z[None, :], exp23, j, BITS), zero, IEEE)
+                acc += s[None, :] * _plane_product(a, qw, qw_hi, z, zero, exp23, j, BITS, IEEE, ZERO_IN_DOT)
     tile = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     _finish(acc, c_ptr + tile, p_ptr + offs_m[:, None] * N + offs_n[None, :], stride_ps,
             m_mask[:, None] & n_mask[None, :], cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
@@ -348,11 +364,16 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
         return dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS)
     # (block rows, block columns, warps, pipeline stages, programs to aim for, fewest K
     # tiles per split). Splits finish in the same launch (_finish), but each one writes a
-    # float32 partial, so with more rows fewer splits pay.
+    # float32 partial, so with more rows fewer splits pay. Up to 16 rows the zero point
+    # goes through the tensor cores (zero_in_dot); from 17 rows the table keeps the
+    # variant that forms q - z per weight, the one measured there.
+    zero_in_dot = m <= 16
     if m == 1:
         bm, bn, warps, stages, programs, min_tiles = 1, 64, 4, 3, 8 * num_sms, 3
+    elif m <= 16 and (n >= 16384 or k >= 8192):  # the MLP's long products: small programs, many
+        bm, bn, warps, stages, programs, min_tiles = 16, 64, 2, 2, 8 * num_sms, 4
     elif m <= 16:
-        bm, bn, warps, stages, programs, min_tiles = 16, 64 if n >= 8192 else 128, 4, 3, 4 * num_sms, 4
+        bm, bn, warps, stages, programs, min_tiles = 16, 64, 4, 3, 2 * num_sms, 4
     else:
         bm, bn, warps, stages, programs, min_tiles = 64, 128, 4, 3, 2 * num_sms, 2
     tile_k = tile_k_for(bits)
@@ -360,7 +381,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     split = max(1, min(triton.cdiv(programs, tiles), k // (min_tiles * tile_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split)
+                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=zero_in_dot)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -405,5 +426,5 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         _wna16_gemv[(grid_n, split)](*args, **common)
     else:
         _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
-                                               **common)
+                                               ZERO_IN_DOT=cfg.get("zero_in_dot", True), **common)
     return out
