@@ -3,21 +3,14 @@ TRITON_INTERPRET=1 and Triton installed they can also be checked on the CPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_device import DEV  # first: skips this module without CUDA or the interpreter
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (torch.cuda.is_available() or INTERPRET):
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+from pagedllm.model_executor.layers import fused_ops
+from pagedllm.model_executor.layers.rotary import RotaryEmbedding
 
-from pagedllm.model_executor.layers import fused_ops  # noqa: E402
-from pagedllm.model_executor.layers.rotary import RotaryEmbedding  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if DEV == "cuda" else [torch.float32]
 
 

@@ -6,22 +6,14 @@ Runs on CUDA; with TRITON_INTERPRET=1 and Triton installed it also runs on the C
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
+from triton_device import DEV  # first: skips this module without CUDA or the interpreter
 
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (torch.cuda.is_available() or INTERPRET):
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-
-from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
-from pagedllm.attention.torch_backend import TorchPagedAttention  # noqa: E402
-from pagedllm.attention.triton_backend import TritonPagedAttention  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_backend import TorchPagedAttention
+from pagedllm.attention.triton_backend import TritonPagedAttention
 
 
 def _batch(seqs, hq, hkv, dim, page, dtype, seed=0):

@@ -7,21 +7,13 @@ Runs on CUDA; with TRITON_INTERPRET=1 and Triton installed it also runs on the C
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_device import DEV, INTERPRET  # first: skips this module without CUDA or the interpreter
+from w4a16_reference import check_kernel
 
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (torch.cuda.is_available() or INTERPRET):
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
 
-from w4a16_reference import check_kernel  # noqa: E402
-
-from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 FP = torch.float32 if INTERPRET else torch.float16  # the interpreter's dot has no fp16 inputs
 
 
