@@ -159,20 +159,21 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
-def _time_config(x, mods: list[QuantizedLinear], cfg: dict | None) -> float | None:
+def _time_config(x, mods: list[QuantizedLinear], cfg: dict | None, ref: torch.Tensor) -> float | None:
     """GPU time of one call: a CUDA graph of one call per copy of the layer (so the
-    weights come from memory, not the 60 MB L2, and Python's launch cost is left out)."""
+    weights come from memory, not the 60 MB L2, and Python's launch cost is left out).
+    The configuration must first reproduce `ref`, mods[0]'s float32 product with x."""
     from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
+
+    def call(m: QuantizedLinear) -> torch.Tensor:
+        return tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.group_size, 4, m.quant.zero_offset, cfg)
 
     def run_all():
         for m in mods:
-            tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.group_size, 4, m.quant.zero_offset, cfg)
+            call(m)
 
     try:
-        m = mods[0]  # the configuration must compute the right product before it is timed
-        out = tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.group_size, 4, m.quant.zero_offset, cfg)
-        ref = x.float() @ m.dequantized_weight(torch.float32).t()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
+        err = ((call(mods[0]).float() - ref).norm() / ref.norm()).item()
         if not err < 2e-2:
             raise ValueError(f"relative error {err:.2e}")
         run_all()
@@ -180,7 +181,7 @@ def _time_config(x, mods: list[QuantizedLinear], cfg: dict | None) -> float | No
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run_all()
-    except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+    except Exception as e:  # noqa: BLE001 - a config that does not compile (or is wrong) is skipped
         print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:80]}", file=sys.stderr)
         return None
     graph.replay()
@@ -197,9 +198,10 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=dtype)
         for batch in args.batch:
             x = torch.randn(batch, k, device="cuda", dtype=dtype)
-            default_ms = _time_config(x, mods, None)
+            ref = x.float() @ mods[0].dequantized_weight(torch.float32).t()  # once for every candidate
+            default_ms = _time_config(x, mods, None, ref)
             results = [(ms, c) for c in _candidates(batch, n, k, sms)
-                       if (ms := _time_config(x, mods, c)) is not None]
+                       if (ms := _time_config(x, mods, c, ref)) is not None]
             best_ms, best = min(results, key=lambda r: r[0])
             family = {}  # the best of each kernel
             for ms, c in results:

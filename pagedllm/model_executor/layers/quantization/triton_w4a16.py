@@ -400,8 +400,8 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         return x.new_empty(0, n)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 8  # CPU: Triton's interpreter (tests)
     cfg = config or pick_config(m, n, k, group_size, bits, sms)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if cfg.get("dequant"):
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         return _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_offset, out,
                                cfg["chunk_elements"])
     split = cfg["split"]
@@ -409,7 +409,6 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
     grid_m = 1 if cfg["gemv"] else triton.cdiv(m, cfg["BLOCK_M"])
     if split > 1 and grid_n * grid_m > COUNTERS:
         raise ValueError(f"{grid_n * grid_m} output tiles: more than the {COUNTERS} split-K counters")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # Split-K partials (float32, [split, m, n]); without a split the kernel never reads it.
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     args = (x, qweight, scales, qzeros, perm if perm is not None else qweight, out, partials,
