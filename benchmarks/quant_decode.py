@@ -134,24 +134,28 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
     dequantize + cuBLAS path at a few chunk sizes."""
     from pagedllm.model_executor.layers.quantization.triton_w4a16 import SCRATCH_ELEMENTS
 
-    if batch == 1:  # (gemv, BLOCK_M, BLOCK_N, warps, stages)
+    if batch == 1:  # (gemv, BLOCK_M, BLOCK_N, warps, stages); also the tensor-core kernel, rows masked
         cfgs = [(True, 1, bn, w, 3) for bn, w in ((32, 1), (64, 2), (64, 4), (128, 2), (128, 4), (256, 4))]
+        cfgs += [(False, 16, bn, w, st) for bn, w, st in ((64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 4, 3))]
     elif batch <= 16:
-        cfgs = [(False, 16, bn, w, st) for bn, w in ((32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (256, 8))
-                for st in (2, 3)]
+        cfgs = [(False, 16, bn, w, st) for bn, w in ((32, 1), (64, 1), (64, 2), (64, 4), (128, 2), (128, 4),
+                                                     (256, 4)) for st in (2, 3, 4)]
     elif batch <= 64:
-        cfgs = [(False, bm, 128, 4, st) for bm in (32, 64) for st in (2, 3)]
+        cfgs = [(False, bm, bn, 4, st) for bm in (32, 64) for bn in (64, 128) for st in (2, 3)]
     else:
         cfgs = [(False, bm, bn, w, 3) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))]
+    # ways to the weights of the tensor-core kernel: 16-bit floats from the bits (magic),
+    # float32 with the zero point in a second product, float32 q - z
+    unpacks = [dict(magic=True), dict(magic=False, zero_in_dot=True), dict(magic=False, zero_in_dot=False)]
     out = []
     for gemv, bm, bn, warps, stages in cfgs:
         for target in (1, 2, 4, 8, 16):
             tiles = _cdiv(batch, bm) * _cdiv(n, bn)
             split = max(1, min(_cdiv(target * sms, tiles), k // 256))
             kps = _cdiv(_cdiv(k, split), 128) * 128
-            for zero_in_dot in (False,) if gemv else (True, False):
+            for unpack in [{}] if gemv else unpacks if batch > 16 else unpacks[:1]:
                 cfg = dict(gemv=gemv, planes=not gemv, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
-                           num_stages=stages, split=_cdiv(k, kps), k_per_split=kps, zero_in_dot=zero_in_dot)
+                           num_stages=stages, split=_cdiv(k, kps), k_per_split=kps, **unpack)
                 if cfg not in out:
                     out.append(cfg)
     if batch >= 16:
@@ -203,9 +207,10 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
             results = [(ms, c) for c in _candidates(batch, n, k, sms)
                        if (ms := _time_config(x, mods, c, ref)) is not None]
             best_ms, best = min(results, key=lambda r: r[0])
-            family = {}  # the best of each kernel
+            family = {}  # the best of each kernel (and of each way to the weights)
             for ms, c in results:
-                name_c = "dequant" if c.get("dequant") else "planes" if c.get("planes") else "gemv"
+                name_c = "dequant" if c.get("dequant") else "gemv" if c.get("gemv") else (
+                    "planes-magic" if c.get("magic") else "planes-f32")
                 if name_c not in family or ms < family[name_c][0]:
                     family[name_c] = (ms, c)
             torch.nn.functional.linear(x, w)  # cuBLAS initialises outside the capture

@@ -14,7 +14,7 @@ from w4a16_reference import check_kernel
 
 from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
 
-FP = torch.float32 if INTERPRET else torch.float16  # the interpreter's dot has no fp16 inputs
+FP = torch.float16  # bf16 products are wrong in Triton's interpreter; fp16 ones are right
 
 
 def _config(m: int, k: int, split: int, block_n: int = 32) -> dict:
@@ -56,9 +56,16 @@ def test_half_precision_activations():
     check_kernel(1, 512, 72, 64, True, 4, 1, FP, seed=4, device=DEV)
 
 
-@pytest.mark.parametrize("zero_in_dot", [True, False])
+@pytest.mark.parametrize("unpack", [dict(magic=True), dict(magic=False, zero_in_dot=True),
+                                    dict(magic=False, zero_in_dot=False)], ids=["magic", "zero_in_dot", "fma"])
 @pytest.mark.parametrize("group_size", [128, 48])
-def test_planes_zero_point_in_the_product_or_in_the_weights(zero_in_dot, group_size):
-    """Both ways the tensor-core kernel applies the zero point give the same product."""
-    cfg = {**_config(5, 800, 2), "zero_in_dot": zero_in_dot}
-    check_kernel(5, 800, 72, group_size, True, 4, 1, torch.float32, seed=group_size, device=DEV, config=cfg)
+@pytest.mark.parametrize("dtype", [torch.float32, FP, pytest.param(
+    torch.bfloat16, marks=pytest.mark.skipif(INTERPRET, reason="the interpreter's bf16 products are wrong"))],
+    ids=["fp32", "fp16", "bf16"])
+def test_planes_each_way_of_unpacking_gives_the_product(unpack, group_size, dtype):
+    """The tensor-core kernel's three ways to the weights (16-bit floats from the bits with
+    the zero point and the magic offset through a second product; float32 values with the
+    zero point in a second product; float32 q - z) give the same product. fp32 activations
+    take the float32 routes whatever the configuration asks."""
+    cfg = {**_config(5, 800, 2), **unpack}
+    check_kernel(5, 800, 72, group_size, True, 4, 1, dtype, seed=group_size, device=DEV, config=cfg)

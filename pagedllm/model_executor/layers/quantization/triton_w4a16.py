@@ -13,8 +13,11 @@ Three paths share the layout:
 - `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
   accumulator and reduces once at the end: no tensor cores, no operand shuffles.
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
-  its values to `tl.dot` as small integers (up to 16 rows the zero point goes through the
-  tensor cores as a second product), the scale applied to the product.
+  its values to `tl.dot`, the scale applied to the product. With 4-bit values and 16-bit
+  activations the values become 16-bit floats straight from the bits,
+  MAGIC | q = MAGIC_F + q, two to a register in 4 instructions per 4 weights
+  (`_magic_planes_asm`), and a second product with -(z + MAGIC_F) leaves q - z; else they
+  go through float32 (`_plane_values`).
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
   columns into a small scratch buffer that stays in L2 and multiplies them with torch.mm.
 Small problems are split along K so that every SM has work; the split that finishes
@@ -30,7 +33,9 @@ row k belongs to group k // group_size (act-order checkpoints were sorted at loa
 
 Robustness over cleverness: plain loads, arithmetic, `tl.dot` and one atomic counter per
 split tile; no autotuning (block sizes come from a small table measured on an H200), no
-TMA, no warp specialisation, no inline assembly.
+TMA, no warp specialisation. One piece of inline PTX (a byte permute and masks, in
+`_magic_planes_asm`), with a plain-Triton twin (`_magic_plane`) that gives the same
+values where no PTX runs (Triton's CPU interpreter, in the tests).
 
 This module imports triton at the top: import it only when a CUDA tensor needs it.
 """
@@ -89,14 +94,18 @@ def _finish(acc, c_ptrs, p_ptrs, stride_ps, mask, cnt_ptr, tile, pid_k, n_split,
     """Write a tile of the output. Split along K, each split stores its float32 partial
     and counts itself in; the split that arrives last adds the partials in split order
     (the same sum every run) and writes the tile, then resets the counter for the next
-    launch. One launch per product: no second kernel to add the splits."""
+    launch. One launch per product: no second kernel to add the splits. The partials are
+    read 4 at a time, their loads in flight together rather than a chain of L2 round
+    trips (all at once would take registers from the main loop)."""
     if SPLIT_K:
         tl.store(p_ptrs + pid_k * stride_ps, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the count goes up
         if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == n_split - 1:
             total = tl.zeros_like(acc)
-            for i in range(0, n_split):
-                total += tl.load(p_ptrs + i * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            for i0 in range(0, n_split, 4):
+                for i in tl.static_range(4):
+                    total += tl.load(p_ptrs + (i0 + i) * stride_ps, mask=mask & (i0 + i < n_split), other=0.0,
+                                     cache_modifier=".cg")
             tl.store(c_ptrs, total.to(c_ptrs.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
@@ -187,19 +196,100 @@ def _plane_dot(a, w, acc, IEEE: tl.constexpr):
     return tl.dot(a, w.to(a.dtype), acc)
 
 
+# The 16-bit floats whose low mantissa bits take a 4-bit value q exactly: MAGIC | q reads
+# as MAGIC_F + q (bf16 128, fp16 1024: the value's bits are the lowest of the mantissa).
+BF16_MAGIC = 0x4300
+FP16_MAGIC = 0x6400
+
+
+def _magic_asm(magic: int) -> str:
+    """PTX of _magic_planes_asm: outputs $0..$7 (planes 0..7, two words per register),
+    inputs $8, $9 (two words). lop3 0xEA is (a & b) | c."""
+    pair = f"0x{magic:04X}{magic:04X}"
+    lines = ["{", ".reg .b32 t, u;"]
+    for b in range(4):
+        sel = b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)  # byte b of $8 low, of $9 high
+        lines += [f"prmt.b32 t, $8, $9, 0x{sel:04X};",
+                  f"lop3.b32 ${2 * b}, t, 0x000F000F, {pair}, 0xEA;",
+                  "shr.u32 u, t, 4;",
+                  f"lop3.b32 ${2 * b + 1}, u, 0x000F000F, {pair}, 0xEA;"]
+    return "\n".join(lines + ["}"])
+
+
+_MAGIC_ASM_BF16 = tl.constexpr(_magic_asm(BF16_MAGIC))
+_MAGIC_ASM_FP16 = tl.constexpr(_magic_asm(FP16_MAGIC))
+
+
+@triton.jit
+def _magic_planes_asm(qw, DT: tl.constexpr):
+    """The 8 planes of 4-bit words as 16-bit floats MAGIC_F + q, two words at a time: one
+    byte permute puts byte b of both words in the two halves of a register, then a mask
+    (and a shift for the high nibble) leaves value 2b (2b+1) of each word under MAGIC, a
+    finished pair of 16-bit floats. 4 instructions per 4 weights, against 7 for the
+    float32 route (mask, FMA, convert). Inline PTX because no Triton op permutes bytes
+    across elements; `pack=2` hands each instance two neighbouring words of a thread,
+    which with Triton's layout for the tensor cores are two neighbouring input rows."""
+    if DT == tl.bfloat16:
+        return tl.inline_asm_elementwise(_MAGIC_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [qw],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(_MAGIC_ASM_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [qw],
+                                         dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _magic_plane(qw, J: tl.constexpr, DT: tl.constexpr, MAGIC: tl.constexpr):
+    """Plane J as 16-bit floats MAGIC_F + q with plain Triton ops: the same values as
+    _magic_planes_asm, for Triton's CPU interpreter (which runs no PTX)."""
+    return (((qw >> (4 * J)) & 0xF) | MAGIC).to(tl.int16).to(DT, bitcast=True)
+
+
+@triton.jit
+def _magic_planes(qw, DT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
+    """The tile's 8 planes as 16-bit floats MAGIC_F + q."""
+    if ASM:
+        return _magic_planes_asm(qw, DT)
+    return (_magic_plane(qw, 0, DT, MAGIC), _magic_plane(qw, 1, DT, MAGIC), _magic_plane(qw, 2, DT, MAGIC),
+            _magic_plane(qw, 3, DT, MAGIC), _magic_plane(qw, 4, DT, MAGIC), _magic_plane(qw, 5, DT, MAGIC),
+            _magic_plane(qw, 6, DT, MAGIC), _magic_plane(qw, 7, DT, MAGIC))
+
+
+@triton.jit
+def _magic_neg_zero(z, DT: tl.constexpr, MAGIC: tl.constexpr):
+    """-(z + MAGIC_F) as a [16, BLOCK_N] operand: a @ this adds the zero point and takes
+    away the magic offset of a @ plane (both exact: small integers)."""
+    if MAGIC == 0x4300:
+        MAGIC_F: tl.constexpr = 128.0
+    else:
+        MAGIC_F: tl.constexpr = 1024.0
+    return (tl.zeros((16, z.shape[0]), dtype=tl.float32) - (z + MAGIC_F)[None, :]).to(DT)
+
+
 @triton.jit
 def _plane_product(a, qw, qw_hi, z, acc, exp23, J: tl.constexpr, BITS: tl.constexpr, IEEE: tl.constexpr,
                    ZERO_IN_DOT: tl.constexpr):
-    """acc + a @ (q - z) for plane J. ZERO_IN_DOT: q alone goes through the unpacking (whose
-    only other operands are constants, so Triton converts the packed words, not the
-    weights, to the tensor cores' layout: no shared-memory round trip and no barrier per
-    plane), and a second product a @ (-z) adds the zero point on the tensor cores.
-    Otherwise q - z is formed per weight (one instruction fewer, a shuffle per plane)."""
+    """acc + a @ (q - z) for plane J, through float32 values. ZERO_IN_DOT: q alone goes
+    through the unpacking (whose only other operands are constants, so Triton converts the
+    packed words, not the weights, to the tensor cores' layout: no shared-memory round
+    trip and no barrier per plane), and a second product a @ (-z) adds the zero point on
+    the tensor cores. Otherwise q - z is formed per weight (one instruction fewer, a
+    shuffle per plane)."""
     if ZERO_IN_DOT:
         neg_z = tl.zeros((16, qw.shape[1]), dtype=tl.float32) - z[None, :]
         acc = _plane_dot(a, _plane_values(qw, qw_hi, 0.0, 0x4B000000, J, BITS), acc, IEEE)
         return _plane_dot(a, neg_z, acc, IEEE)
     return _plane_dot(a, _plane_values(qw, qw_hi, z[None, :], exp23, J, BITS), acc, IEEE)
+
+
+@triton.jit
+def _plane_step(a, qw, qw_hi, planes, z, acc, exp23, J: tl.constexpr, BITS: tl.constexpr,
+                IEEE: tl.constexpr, ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr):
+    """acc + a @ (q - z) for plane J. MAGIC (4-bit values, 16-bit activations): plane J of
+    `planes` (_magic_planes) is MAGIC_F + q, and a second product with -(z + MAGIC_F)
+    leaves q - z. Else _plane_product, through float32 values."""
+    if MAGIC:
+        return tl.dot(a, _magic_neg_zero(z, a.dtype, MAGIC), tl.dot(a, planes[J], acc))
+    return _plane_product(a, qw, qw_hi, z, acc, exp23, J, BITS, IEEE, ZERO_IN_DOT)
 
 
 @triton.jit
@@ -210,7 +300,7 @@ def _wna16_planes(
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ZERO_IN_DOT: tl.constexpr,
+    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
     of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
@@ -220,6 +310,7 @@ def _wna16_planes(
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
+    DT: tl.constexpr = a_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -233,6 +324,9 @@ def _wna16_planes(
         k0 = pid_k * K_PER_SPLIT + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
         qw_hi = qw >> 16
+        planes = qw
+        if MAGIC:
+            planes = _magic_planes(qw, DT, MAGIC, ASM)
         if TILE_IN_GROUP:
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
@@ -240,7 +334,7 @@ def _wna16_planes(
             for j in tl.static_range(PACK):
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
                                 stride_am, stride_ak, HAS_PERM)
-                part = _plane_product(a, qw, qw_hi, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT)
+                part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
@@ -249,7 +343,8 @@ def _wna16_planes(
                 s, z = _group_params(s_ptr, z_ptr, kj // GROUP, offs_n, n_mask & (kj < K),
                                      stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
                 zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc += s[None, :] * _plane_product(a, qw, qw_hi, z, zero, exp23, j, BITS, IEEE, ZERO_IN_DOT)
+                acc += s[None, :] * _plane_step(a, qw, qw_hi, planes, z, zero, exp23, j, BITS, IEEE,
+                                                ZERO_IN_DOT, MAGIC)
     tile = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     _finish(acc, c_ptr + tile, p_ptr + offs_m[:, None] * N + offs_n[None, :], stride_ps,
             m_mask[:, None] & n_mask[None, :], cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
@@ -338,6 +433,14 @@ def _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_off
     return out
 
 
+def _magic(dtype: torch.dtype, bits: int) -> int:
+    """The bit pattern that turns 4-bit values into 16-bit floats of this dtype (0: none;
+    the planes then go through float32)."""
+    if bits != 4:
+        return 0
+    return {torch.bfloat16: BF16_MAGIC, torch.float16: FP16_MAGIC}.get(dtype, 0)
+
+
 def tile_k_for(bits: int) -> int:
     """Input rows per kernel tile: one 16-row plane per value in a word."""
     return 16 * (32 // bits)
@@ -364,24 +467,27 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
         return dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS)
     # (block rows, block columns, warps, pipeline stages, programs to aim for, fewest K
     # tiles per split). Splits finish in the same launch (_finish), but each one writes a
-    # float32 partial, so with more rows fewer splits pay. Up to 16 rows the zero point
-    # goes through the tensor cores (zero_in_dot); from 17 rows the table keeps the
-    # variant that forms q - z per weight, the one measured there.
-    zero_in_dot = m <= 16
+    # float32 partial, so with more rows fewer splits pay. From 2 rows on the weights reach
+    # the tensor cores as 16-bit floats made from the bits (magic; 4-bit values and 16-bit
+    # activations, else float32 with the zero point in a second product).
     if m == 1:
         bm, bn, warps, stages, programs, min_tiles = 1, 64, 4, 3, 8 * num_sms, 3
-    elif m <= 16 and (n >= 16384 or k >= 8192):  # the MLP's long products: small programs, many
-        bm, bn, warps, stages, programs, min_tiles = 16, 64, 2, 2, 8 * num_sms, 4
-    elif m <= 16:
-        bm, bn, warps, stages, programs, min_tiles = 16, 64, 4, 3, 2 * num_sms, 4
-    else:
-        bm, bn, warps, stages, programs, min_tiles = 64, 128, 4, 3, 2 * num_sms, 2
+    elif m <= 16 and n <= 4096 and k <= 4096:  # Llama-2-7B's o: 11.3 us (bf16 9.4)
+        bm, bn, warps, stages, programs, min_tiles = 16, 64, 4, 3, 4 * num_sms, 2
+    elif m <= 16 and n >= 16384:  # gate_up: 32.9 us (bf16 44.1)
+        bm, bn, warps, stages, programs, min_tiles = 16, 128, 2, 2, 4 * num_sms, 2
+    elif m <= 16 and k >= 8192:  # down: 21.0 us (bf16 27.2)
+        bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 2, 4 * num_sms, 2
+    elif m <= 16:  # qkv: 23.7 us (bf16 26.1)
+        bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 2, 8 * num_sms, 2
+    else:  # 17..127 rows; qkv at 64 rows: 43.6 us (float32 route 48.0-62.3, bf16 26.4)
+        bm, bn, warps, stages, programs, min_tiles = 32, 128, 4, 2, 2 * num_sms, 2
     tile_k = tile_k_for(bits)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = max(1, min(triton.cdiv(programs, tiles), k // (min_tiles * tile_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=zero_in_dot)
+                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -425,5 +531,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         _wna16_gemv[(grid_n, split)](*args, **common)
     else:
         _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
-                                               ZERO_IN_DOT=cfg.get("zero_in_dot", True), **common)
+                                               ZERO_IN_DOT=cfg.get("zero_in_dot", True),
+                                               MAGIC=_magic(x.dtype, bits) if cfg.get("magic", True) else 0,
+                                               ASM=x.is_cuda, **common)
     return out
