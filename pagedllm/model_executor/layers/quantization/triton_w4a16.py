@@ -255,6 +255,14 @@ def _magic_planes(qw, DT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _magic_offset_zero(z, MAGIC: tl.constexpr):
+    """z + MAGIC_F (float32, [BLOCK_N])."""
+    if MAGIC == 0x4300:
+        return z + 128.0
+    return z + 1024.0
+
+
+@triton.jit
 def _magic_neg_zero(z, DT: tl.constexpr, MAGIC: tl.constexpr):
     """-(z + MAGIC_F) as a [16, BLOCK_N] operand: a @ this adds the zero point and takes
     away the magic offset of a @ plane (both exact: small integers)."""
@@ -300,13 +308,23 @@ def _wna16_planes(
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr,
+    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, ROW_SUMS: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
     of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
-    integer, [BLOCK_M, 16] @ [16, BLOCK_N] (_plane_product). The scale multiplies the
+    integer, [BLOCK_M, 16] @ [16, BLOCK_N] (_plane_step). The scale multiplies the
     product, once per tile when the tile lies in one group (TILE_IN_GROUP), else once per
-    plane."""
+    plane.
+
+    MAGIC: the planes are MAGIC_F + q; a product with -(z + MAGIC_F) per plane takes the
+    offset and the zero point away. ROW_SUMS, with the tile in one group, does it once
+    per tile instead: the sum over k of a * (MAGIC_F + z) is (row sums of a) * (MAGIC_F +
+    z), the row sums taken on the tensor cores as a @ ones. The ones are a constant, so
+    they need no shuffle into the operand layout (-(z + MAGIC_F) goes through shared
+    memory, with barriers, every tile), and every column block of the row sums is the
+    same product of the same operands, which the compiler computes once. Measured on the
+    7B stack: faster at 64 rows (5.45 against 6.13 ms), slower at 16 (3.03 against 2.85
+    ms), so the table turns it on from 17 rows."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -331,10 +349,20 @@ def _wna16_planes(
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(PACK):
-                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
-                                stride_am, stride_ak, HAS_PERM)
-                part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
+            if MAGIC and ROW_SUMS:  # the tile's zero point and magic offset once, times its row sums
+                row_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                ones = tl.full((ROWS, BLOCK_N), 1.0, DT)
+                for j in tl.static_range(PACK):
+                    a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
+                                    stride_am, stride_ak, HAS_PERM)
+                    part = tl.dot(a, planes[j], part)
+                    row_sums = tl.dot(a, ones, row_sums)
+                part -= row_sums * _magic_offset_zero(z, MAGIC)[None, :]
+            else:
+                for j in tl.static_range(PACK):
+                    a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
+                                    stride_am, stride_ak, HAS_PERM)
+                    part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
@@ -469,7 +497,8 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     # tiles per split). Splits finish in the same launch (_finish), but each one writes a
     # float32 partial, so with more rows fewer splits pay. From 2 rows on the weights reach
     # the tensor cores as 16-bit floats made from the bits (magic; 4-bit values and 16-bit
-    # activations, else float32 with the zero point in a second product).
+    # activations, else float32 with the zero point in a second product); from 17 rows the
+    # offset and zero point come off once per tile (row_sums, see _wna16_planes).
     if m == 1:
         bm, bn, warps, stages, programs, min_tiles = 1, 64, 4, 3, 8 * num_sms, 3
     elif m <= 16 and n <= 4096 and k <= 4096:  # Llama-2-7B's o: 11.3 us (bf16 9.4)
@@ -480,14 +509,15 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
         bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 2, 4 * num_sms, 2
     elif m <= 16:  # qkv: 23.7 us (bf16 26.1)
         bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 2, 8 * num_sms, 2
-    else:  # 17..127 rows; qkv at 64 rows: 43.6 us (float32 route 48.0-62.3, bf16 26.4)
+    else:  # 17..127 rows; qkv at 64 rows: 43.6 us without row_sums (float32 route 48.0-62.3, bf16 26.4)
         bm, bn, warps, stages, programs, min_tiles = 32, 128, 4, 2, 2 * num_sms, 2
     tile_k = tile_k_for(bits)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = max(1, min(triton.cdiv(programs, tiles), k // (min_tiles * tile_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True)
+                split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True,
+                row_sums=m > 16)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -533,5 +563,5 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
                                                ZERO_IN_DOT=cfg.get("zero_in_dot", True),
                                                MAGIC=_magic(x.dtype, bits) if cfg.get("magic", True) else 0,
-                                               ASM=x.is_cuda, **common)
+                                               ASM=x.is_cuda, ROW_SUMS=cfg.get("row_sums", m > 16), **common)
     return out
