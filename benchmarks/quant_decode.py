@@ -144,9 +144,11 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
         cfgs = [(False, bm, bn, 4, st) for bm in (32, 64) for bn in (64, 128) for st in (2, 3)]
     else:
         cfgs = [(False, bm, bn, w, 3) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))]
-    # ways to the weights of the tensor-core kernel: 16-bit floats from the bits (magic),
-    # float32 with the zero point in a second product, float32 q - z
-    unpacks = [dict(magic=True), dict(magic=False, zero_in_dot=True), dict(magic=False, zero_in_dot=False)]
+    # ways to the weights of the tensor-core kernel: 16-bit floats from the bits (magic; the
+    # offset and zero point per plane, or once per tile from row sums), float32 with the
+    # zero point in a second product, float32 q - z
+    unpacks = [dict(magic=True, row_sums=False), dict(magic=True, row_sums=True),
+               dict(magic=False, zero_in_dot=True), dict(magic=False, zero_in_dot=False)]
     out = []
     for gemv, bm, bn, warps, stages in cfgs:
         for target in (1, 2, 4, 8, 16):
@@ -210,7 +212,8 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
             family = {}  # the best of each kernel (and of each way to the weights)
             for ms, c in results:
                 name_c = "dequant" if c.get("dequant") else "gemv" if c.get("gemv") else (
-                    "planes-magic" if c.get("magic") else "planes-f32")
+                    ("planes-magic-row-sums" if c.get("row_sums") else "planes-magic") if c.get("magic")
+                    else "planes-f32")
                 if name_c not in family or ms < family[name_c][0]:
                     family[name_c] = (ms, c)
             torch.nn.functional.linear(x, w)  # cuBLAS initialises outside the capture

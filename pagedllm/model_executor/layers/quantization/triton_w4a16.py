@@ -225,10 +225,11 @@ def _magic_planes_asm(qw, DT: tl.constexpr):
     """The 8 planes of 4-bit words as 16-bit floats MAGIC_F + q, two words at a time: one
     byte permute puts byte b of both words in the two halves of a register, then a mask
     (and a shift for the high nibble) leaves value 2b (2b+1) of each word under MAGIC, a
-    finished pair of 16-bit floats. 4 instructions per 4 weights, against 7 for the
-    float32 route (mask, FMA, convert). Inline PTX because no Triton op permutes bytes
-    across elements; `pack=2` hands each instance two neighbouring words of a thread,
-    which with Triton's layout for the tensor cores are two neighbouring input rows."""
+    finished pair of 16-bit floats. 4 instructions per 4 weights, against about 14 on the
+    float32 route (masks, FMA, convert; counted in the SASS). Inline PTX because no Triton
+    op permutes bytes across elements; `pack=2` hands each instance two neighbouring words
+    of a thread, which with Triton's layout for the tensor cores are two neighbouring
+    input rows."""
     if DT == tl.bfloat16:
         return tl.inline_asm_elementwise(_MAGIC_ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [qw],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
@@ -266,11 +267,7 @@ def _magic_offset_zero(z, MAGIC: tl.constexpr):
 def _magic_neg_zero(z, DT: tl.constexpr, MAGIC: tl.constexpr):
     """-(z + MAGIC_F) as a [16, BLOCK_N] operand: a @ this adds the zero point and takes
     away the magic offset of a @ plane (both exact: small integers)."""
-    if MAGIC == 0x4300:
-        MAGIC_F: tl.constexpr = 128.0
-    else:
-        MAGIC_F: tl.constexpr = 1024.0
-    return (tl.zeros((16, z.shape[0]), dtype=tl.float32) - (z + MAGIC_F)[None, :]).to(DT)
+    return (tl.zeros((16, z.shape[0]), dtype=tl.float32) - _magic_offset_zero(z, MAGIC)[None, :]).to(DT)
 
 
 @triton.jit
