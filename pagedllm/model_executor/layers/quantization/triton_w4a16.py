@@ -256,18 +256,19 @@ def _magic_planes(qw, DT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _magic_offset_zero(z, MAGIC: tl.constexpr):
-    """z + MAGIC_F (float32, [BLOCK_N])."""
-    if MAGIC == 0x4300:
+def _magic_offset_zero(z, DT: tl.constexpr):
+    """z + MAGIC_F (float32, [BLOCK_N]) for activations of dtype DT (the pattern follows the
+    dtype, as in _magic_planes_asm and `_magic`)."""
+    if DT == tl.bfloat16:
         return z + 128.0
     return z + 1024.0
 
 
 @triton.jit
-def _magic_neg_zero(z, DT: tl.constexpr, MAGIC: tl.constexpr):
+def _magic_neg_zero(z, DT: tl.constexpr):
     """-(z + MAGIC_F) as a [16, BLOCK_N] operand: a @ this adds the zero point and takes
     away the magic offset of a @ plane (both exact: small integers)."""
-    return (tl.zeros((16, z.shape[0]), dtype=tl.float32) - _magic_offset_zero(z, MAGIC)[None, :]).to(DT)
+    return (tl.zeros((16, z.shape[0]), dtype=tl.float32) - _magic_offset_zero(z, DT)[None, :]).to(DT)
 
 
 @triton.jit
@@ -293,7 +294,7 @@ def _plane_step(a, qw, qw_hi, planes, z, acc, exp23, J: tl.constexpr, BITS: tl.c
     `planes` (_magic_planes) is MAGIC_F + q, and a second product with -(z + MAGIC_F)
     leaves q - z. Else _plane_product, through float32 values."""
     if MAGIC:
-        return tl.dot(a, _magic_neg_zero(z, a.dtype, MAGIC), tl.dot(a, planes[J], acc))
+        return tl.dot(a, _magic_neg_zero(z, a.dtype), tl.dot(a, planes[J], acc))
     return _plane_product(a, qw, qw_hi, z, acc, exp23, J, BITS, IEEE, ZERO_IN_DOT)
 
 
@@ -354,7 +355,7 @@ def _wna16_planes(
                                     stride_am, stride_ak, HAS_PERM)
                     part = tl.dot(a, planes[j], part)
                     row_sums = tl.dot(a, ones, row_sums)
-                part -= row_sums * _magic_offset_zero(z, MAGIC)[None, :]
+                part -= row_sums * _magic_offset_zero(z, DT)[None, :]
             else:
                 for j in tl.static_range(PACK):
                     a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
@@ -560,5 +561,5 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
                                                ZERO_IN_DOT=cfg.get("zero_in_dot", True),
                                                MAGIC=_magic(x.dtype, bits) if cfg.get("magic", True) else 0,
-                                               ASM=x.is_cuda, ROW_SUMS=cfg.get("row_sums", m > 16), **common)
+                                               ASM=x.is_cuda, ROW_SUMS=cfg.get("row_sums", False), **common)
     return out
