@@ -56,18 +56,19 @@ def test_half_precision_activations():
     check_kernel(1, 512, 72, 64, True, 4, 1, FP, seed=4, device=DEV)
 
 
-@pytest.mark.parametrize("unpack", [dict(magic=True, row_sums=False), dict(magic=True, row_sums=True),
+@pytest.mark.parametrize("unpack", [dict(magic=True), dict(magic=True, two_acc=True),
                                     dict(magic=False, zero_in_dot=True), dict(magic=False, zero_in_dot=False)],
-                         ids=["magic", "magic-row-sums", "zero_in_dot", "fma"])
+                         ids=["magic", "magic-two-acc", "zero_in_dot", "fma"])
 @pytest.mark.parametrize("group_size", [128, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, FP, pytest.param(
     torch.bfloat16, marks=pytest.mark.skipif(INTERPRET, reason="the interpreter's bf16 products are wrong"))],
     ids=["fp32", "fp16", "bf16"])
 def test_planes_each_way_of_unpacking_gives_the_product(unpack, group_size, dtype):
-    """The tensor-core kernel's ways to the weights (16-bit floats from the bits, the zero
-    point and the magic offset through a second product per plane or once per tile from
-    the row sums; float32 values with the zero point in a second product; float32 q - z)
-    give the same product. fp32 activations take the float32 routes whatever the
-    configuration asks."""
+    """The tensor-core kernel's ways to the weights give the same product: 16-bit floats
+    from the bits (q - z made in 16 bits when a tile lies in one group, group 128; the
+    zero point and magic offset through a second product per plane, group 48), in one
+    accumulator or two; float32 values with the zero point in a second product; float32
+    q - z. fp32 activations take the float32 routes whatever the configuration asks."""
     cfg = {**_config(5, 800, 2), **unpack}
     check_kernel(5, 800, 72, group_size, True, 4, 1, dtype, seed=group_size, device=DEV, config=cfg)
+

@@ -15,9 +15,10 @@ Three paths share the layout:
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
   its values to `tl.dot`, the scale applied to the product. With 4-bit values and 16-bit
   activations the values become 16-bit floats straight from the bits,
-  MAGIC | q = MAGIC_F + q, two to a register in 4 instructions per 4 weights
-  (`_magic_planes_asm`), and a second product with -(z + MAGIC_F) leaves q - z; else they
-  go through float32 (`_plane_values`).
+  MAGIC | q = MAGIC_F + q, two to a register, and one FMA with -(MAGIC_F + z) leaves
+  q - z exactly (`_magic_sub_planes`: 5-6 instructions per 4 weights); with groups
+  smaller than a tile a second product with -(z + MAGIC_F) per plane does it
+  (`_magic_planes_asm`); else the values go through float32 (`_plane_values`).
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
   columns into a small scratch buffer that stays in L2 and multiplies them with torch.mm.
 Small problems are split along K so that every SM has work; the split that finishes
@@ -33,9 +34,9 @@ row k belongs to group k // group_size (act-order checkpoints were sorted at loa
 
 Robustness over cleverness: plain loads, arithmetic, `tl.dot` and one atomic counter per
 split tile; no autotuning (block sizes come from a small table measured on an H200), no
-TMA, no warp specialisation. One piece of inline PTX (a byte permute and masks, in
-`_magic_planes_asm`), with a plain-Triton twin (`_magic_plane`) that gives the same
-values where no PTX runs (Triton's CPU interpreter, in the tests).
+TMA, no warp specialisation. Two pieces of inline PTX (byte permutes, masks and 16-bit
+FMAs, in `_magic_planes_asm` and `_magic_sub_planes`), each with plain-Triton code that
+gives the same values where no PTX runs (Triton's CPU interpreter, in the tests).
 
 This module imports triton at the top: import it only when a CUDA tensor needs it.
 """
@@ -220,6 +221,70 @@ _MAGIC_ASM_BF16 = tl.constexpr(_magic_asm(BF16_MAGIC))
 _MAGIC_ASM_FP16 = tl.constexpr(_magic_asm(FP16_MAGIC))
 
 
+def _magic_sub_asm(magic: int, fma: str, one: int, sixteenth: int) -> str:
+    """PTX of _magic_sub_planes: outputs $0..$7 (planes 0..7 as q - z, two words per
+    register), inputs $8, $9 (two words), $10, $11 (their -(MAGIC_F + z)) and, with
+    `sixteenth`, $12, $13 (their -(MAGIC_F / 16 + z)). The zero points are paired per word
+    (one prmt), so the code holds in any layout. Per 4 weights: a byte permute, two masks
+    and two FMAs (bf16: and a shift)."""
+    pair = f"0x{magic:04X}{magic:04X}"
+    lines = ["{", ".reg .b32 t, u, v, zl, zh, one, sixteenth;", f"mov.b32 one, 0x{one:04X}{one:04X};",
+             "prmt.b32 zl, $10, $11, 0x5410;"]
+    if sixteenth:
+        lines += [f"mov.b32 sixteenth, 0x{sixteenth:04X}{sixteenth:04X};", "prmt.b32 zh, $12, $13, 0x5410;"]
+    for b in range(4):
+        sel = b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)  # byte b of $8 low, of $9 high
+        lines += [f"prmt.b32 t, $8, $9, 0x{sel:04X};",
+                  f"lop3.b32 v, t, 0x000F000F, {pair}, 0xEA;",
+                  f"{fma} ${2 * b}, v, one, zl;"]
+        if sixteenth:  # fp16 (10 mantissa bits): the high nibble in place reads as MAGIC_F + 16 q
+            lines += [f"lop3.b32 v, t, 0x00F000F0, {pair}, 0xEA;",
+                      f"{fma} ${2 * b + 1}, v, sixteenth, zh;"]
+        else:  # bf16 has 7 mantissa bits: the high nibble is shifted down first
+            lines += ["shr.u32 u, t, 4;",
+                      f"lop3.b32 v, u, 0x000F000F, {pair}, 0xEA;",
+                      f"{fma} ${2 * b + 1}, v, one, zl;"]
+    return "\n".join(lines + ["}"])
+
+
+_MAGIC_SUB_BF16 = tl.constexpr(_magic_sub_asm(BF16_MAGIC, "fma.rn.bf16x2", 0x3F80, 0))
+_MAGIC_SUB_FP16 = tl.constexpr(_magic_sub_asm(FP16_MAGIC, "fma.rn.f16x2", 0x3C00, 0x2C00))
+
+
+@triton.jit
+def _half_words(x, DT: tl.constexpr, shape):
+    """x ([BLOCK_N] float32, exact in DT) as DT's bits in the low half of int32 words,
+    broadcast to `shape` (an operand of the inline PTX)."""
+    return tl.broadcast_to((x.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)[None, :], shape)
+
+
+@triton.jit
+def _magic_sub_planes(qw, z, DT: tl.constexpr, ASM: tl.constexpr):
+    """The tile's 8 planes as q - z in DT (4-bit values, one zero point per column: the
+    tile lies in one group). MAGIC | q reads as MAGIC_F + q, and one FMA with
+    -(MAGIC_F + z) leaves q - z, exact (small integers), ready for the tensor cores: no
+    second product for the zero point, no float32 on the way. For fp16 the high nibble is
+    not even shifted: MAGIC | 16 q reads as MAGIC_F + 16 q, and x / 16 - (MAGIC_F / 16 + z)
+    is q - z. Without PTX (Triton's CPU interpreter) the same values in plain Triton."""
+    if not ASM:
+        zf = z[None, :]
+        return ((((qw >> 0) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 4) & 0xF).to(tl.float32) - zf).to(DT),
+                (((qw >> 8) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 12) & 0xF).to(tl.float32) - zf).to(DT),
+                (((qw >> 16) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 20) & 0xF).to(tl.float32) - zf).to(DT),
+                (((qw >> 24) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 28) & 0xF).to(tl.float32) - zf).to(DT))
+    off = _magic_offset_zero(z, DT)
+    if DT == tl.bfloat16:
+        return tl.inline_asm_elementwise(_MAGIC_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                         [qw, _half_words(0.0 - off, DT, qw.shape)],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        off16 = off - _magic_offset_zero(0.0, DT) * (15.0 / 16.0)  # MAGIC_F / 16 + z
+        return tl.inline_asm_elementwise(_MAGIC_SUB_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                         [qw, _half_words(0.0 - off, DT, qw.shape),
+                                          _half_words(0.0 - off16, DT, qw.shape)],
+                                         dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+
+
 @triton.jit
 def _magic_planes_asm(qw, DT: tl.constexpr):
     """The 8 planes of 4-bit words as 16-bit floats MAGIC_F + q, two words at a time: one
@@ -306,27 +371,27 @@ def _wna16_planes(
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, ROW_SUMS: tl.constexpr,
+    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, TWO_ACC: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
     of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
-    integer, [BLOCK_M, 16] @ [16, BLOCK_N] (_plane_step). The scale multiplies the
-    product, once per tile when the tile lies in one group (TILE_IN_GROUP), else once per
-    plane.
+    integer, [BLOCK_M, 16] @ [16, BLOCK_N]. The scale multiplies the product, once per
+    tile when the tile lies in one group (TILE_IN_GROUP), else once per plane.
 
-    MAGIC: the planes are MAGIC_F + q; a product with -(z + MAGIC_F) per plane takes the
-    offset and the zero point away. ROW_SUMS, with the tile in one group, does it once
-    per tile instead: the sum over k of a * (MAGIC_F + z) is (row sums of a) * (MAGIC_F +
-    z), the row sums taken on the tensor cores as a @ ones. The ones are a constant, so
-    they need no shuffle into the operand layout (-(z + MAGIC_F) goes through shared
-    memory, with barriers, every tile), and every column block of the row sums is the
-    same product of the same operands, which the compiler computes once. Measured on the
-    7B stack: faster at 64 rows (5.45 against 6.13 ms), slower at 16 (3.03 against 2.85
-    ms), so the table turns it on from 17 rows."""
+    MAGIC with the tile in one group: the planes arrive as q - z in 16 bits
+    (_magic_sub_planes), one product per plane. MAGIC with smaller groups: the planes are
+    MAGIC_F + q and a second product with -(z + MAGIC_F) per plane takes the offset and
+    the zero point away (_plane_step). TWO_ACC adds even and odd planes into two
+    accumulators: two chains of dependent tensor-core instructions, half as long.
+
+    The scale of the next tile is loaded a tile ahead: a 2-byte load per thread cannot go
+    through the pipeline's asynchronous copies, and loaded where it is used it cost a
+    memory round trip per tile (7B linears at 16 rows: 5-15% faster so)."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
     DT: tl.constexpr = a_ptr.dtype.element_ty
+    SUB: tl.constexpr = MAGIC != 0 and TILE_IN_GROUP
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -336,31 +401,38 @@ def _wna16_planes(
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_first = pid_k * K_PER_SPLIT
+    s_next = tl.load(s_ptr + (k_first // GROUP) * stride_sg + offs_n * stride_sn, mask=n_mask & (k_first < K),
+                     other=0.0)
     for k_step in range(0, K_PER_SPLIT, TILE_K):
-        k0 = pid_k * K_PER_SPLIT + k_step
+        k0 = k_first + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
         qw_hi = qw >> 16
         planes = qw
-        if MAGIC:
+        if MAGIC and not SUB:
             planes = _magic_planes(qw, DT, MAGIC, ASM)
         if TILE_IN_GROUP:
-            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
+            _, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+            s = s_next.to(tl.float32)
+            k_next = k0 + TILE_K  # the next tile's scale, if this split has one
+            s_next = tl.load(s_ptr + (k_next // GROUP) * stride_sg + offs_n * stride_sn,
+                             mask=n_mask & (k_next < K) & (k_step + TILE_K < K_PER_SPLIT), other=0.0)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if MAGIC and ROW_SUMS:  # the tile's zero point and magic offset once, times its row sums
-                row_sums = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                ones = tl.full((ROWS, BLOCK_N), 1.0, DT)
-                for j in tl.static_range(PACK):
-                    a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
-                                    stride_am, stride_ak, HAS_PERM)
+            part_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # TWO_ACC only
+            if SUB:
+                planes = _magic_sub_planes(qw, z, DT, ASM)
+            for j in tl.static_range(PACK):
+                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
+                                stride_am, stride_ak, HAS_PERM)
+                if SUB and TWO_ACC and j % 2 == 1:
+                    part_odd = tl.dot(a, planes[j], part_odd)
+                elif SUB:
                     part = tl.dot(a, planes[j], part)
-                    row_sums = tl.dot(a, ones, row_sums)
-                part -= row_sums * _magic_offset_zero(z, DT)[None, :]
-            else:
-                for j in tl.static_range(PACK):
-                    a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
-                                    stride_am, stride_ak, HAS_PERM)
+                else:
                     part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
+            if SUB and TWO_ACC:
+                part += part_odd
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
@@ -495,27 +567,28 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     # tiles per split). Splits finish in the same launch (_finish), but each one writes a
     # float32 partial, so with more rows fewer splits pay. From 2 rows on the weights reach
     # the tensor cores as 16-bit floats made from the bits (magic; 4-bit values and 16-bit
-    # activations, else float32 with the zero point in a second product); from 17 rows the
-    # offset and zero point come off once per tile (row_sums, see _wna16_planes).
+    # activations, else float32 with the zero point in a second product); up to 16 rows
+    # even and odd planes go to two accumulators (two_acc). Times: Llama-2-7B's linears
+    # at 16 rows on an H200, one call each in a CUDA graph (bf16 in brackets).
     if m == 1:
         bm, bn, warps, stages, programs, min_tiles = 1, 64, 4, 3, 8 * num_sms, 3
-    elif m <= 16 and n <= 4096 and k <= 4096:  # Llama-2-7B's o: 11.3 us (bf16 9.4)
-        bm, bn, warps, stages, programs, min_tiles = 16, 64, 4, 3, 4 * num_sms, 2
-    elif m <= 16 and n >= 16384:  # gate_up: 32.9 us (bf16 44.1)
-        bm, bn, warps, stages, programs, min_tiles = 16, 128, 2, 2, 4 * num_sms, 2
-    elif m <= 16 and k >= 8192:  # down: 21.0 us (bf16 27.2)
-        bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 2, 4 * num_sms, 2
-    elif m <= 16:  # qkv: 23.7 us (bf16 26.1)
-        bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 2, 8 * num_sms, 2
-    else:  # 17..127 rows; qkv at 64 rows: 43.6 us without row_sums (float32 route 48.0-62.3, bf16 26.4)
-        bm, bn, warps, stages, programs, min_tiles = 32, 128, 4, 2, 2 * num_sms, 2
+    elif m <= 16 and n <= 4096 and k <= 4096:  # o: 10.0 us (8.9)
+        bm, bn, warps, stages, programs, min_tiles = 16, 64, 1, 3, 4 * num_sms, 2
+    elif m <= 16 and n >= 16384:  # gate_up: 29.7 us (44.1)
+        bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 3, 2 * num_sms, 2
+    elif m <= 16 and k >= 8192:  # down: 18.2 us (27.2)
+        bm, bn, warps, stages, programs, min_tiles = 16, 64, 1, 2, 8 * num_sms, 2
+    elif m <= 16:  # qkv: 19.7 us (26.1)
+        bm, bn, warps, stages, programs, min_tiles = 16, 64, 1, 3, 2 * num_sms, 2
+    else:  # 17..127 rows; qkv at 64 rows: 35.2 us (26.4)
+        bm, bn, warps, stages, programs, min_tiles = 32, 128, 4, 3, 2 * num_sms, 2
     tile_k = tile_k_for(bits)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = max(1, min(triton.cdiv(programs, tiles), k // (min_tiles * tile_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True,
-                row_sums=m > 16)
+                two_acc=m <= 16)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -561,5 +634,5 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
                                                ZERO_IN_DOT=cfg.get("zero_in_dot", True),
                                                MAGIC=_magic(x.dtype, bits) if cfg.get("magic", True) else 0,
-                                               ASM=x.is_cuda, ROW_SUMS=cfg.get("row_sums", False), **common)
+                                               ASM=x.is_cuda, TWO_ACC=cfg.get("two_acc", False), **common)
     return out
