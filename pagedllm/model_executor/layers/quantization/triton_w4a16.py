@@ -203,14 +203,19 @@ BF16_MAGIC = 0x4300
 FP16_MAGIC = 0x6400
 
 
+def _byte_pair(b: int) -> int:
+    """prmt selector: byte b of the first word into the low half, of the second into the
+    high half (each byte twice; the masks keep one nibble)."""
+    return b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)
+
+
 def _magic_asm(magic: int) -> str:
     """PTX of _magic_planes_asm: outputs $0..$7 (planes 0..7, two words per register),
     inputs $8, $9 (two words). lop3 0xEA is (a & b) | c."""
     pair = f"0x{magic:04X}{magic:04X}"
     lines = ["{", ".reg .b32 t, u;"]
     for b in range(4):
-        sel = b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)  # byte b of $8 low, of $9 high
-        lines += [f"prmt.b32 t, $8, $9, 0x{sel:04X};",
+        lines += [f"prmt.b32 t, $8, $9, 0x{_byte_pair(b):04X};",
                   f"lop3.b32 ${2 * b}, t, 0x000F000F, {pair}, 0xEA;",
                   "shr.u32 u, t, 4;",
                   f"lop3.b32 ${2 * b + 1}, u, 0x000F000F, {pair}, 0xEA;"]
@@ -233,8 +238,7 @@ def _magic_sub_asm(magic: int, fma: str, one: int, sixteenth: int) -> str:
     if sixteenth:
         lines += [f"mov.b32 sixteenth, 0x{sixteenth:04X}{sixteenth:04X};", "prmt.b32 zh, $12, $13, 0x5410;"]
     for b in range(4):
-        sel = b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)  # byte b of $8 low, of $9 high
-        lines += [f"prmt.b32 t, $8, $9, 0x{sel:04X};",
+        lines += [f"prmt.b32 t, $8, $9, 0x{_byte_pair(b):04X};",
                   f"lop3.b32 v, t, 0x000F000F, {pair}, 0xEA;",
                   f"{fma} ${2 * b}, v, one, zl;"]
         if sixteenth:  # fp16 (10 mantissa bits): the high nibble in place reads as MAGIC_F + 16 q
@@ -259,6 +263,12 @@ def _half_words(x, DT: tl.constexpr, shape):
 
 
 @triton.jit
+def _sub_plane(qw, J: tl.constexpr, z, DT: tl.constexpr):
+    """Plane J as q - z in DT with plain Triton ops (_magic_sub_planes without PTX)."""
+    return (((qw >> (4 * J)) & 0xF).to(tl.float32) - z[None, :]).to(DT)
+
+
+@triton.jit
 def _magic_sub_planes(qw, z, DT: tl.constexpr, ASM: tl.constexpr):
     """The tile's 8 planes as q - z in DT (4-bit values, one zero point per column: the
     tile lies in one group). MAGIC | q reads as MAGIC_F + q, and one FMA with
@@ -267,11 +277,9 @@ def _magic_sub_planes(qw, z, DT: tl.constexpr, ASM: tl.constexpr):
     not even shifted: MAGIC | 16 q reads as MAGIC_F + 16 q, and x / 16 - (MAGIC_F / 16 + z)
     is q - z. Without PTX (Triton's CPU interpreter) the same values in plain Triton."""
     if not ASM:
-        zf = z[None, :]
-        return ((((qw >> 0) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 4) & 0xF).to(tl.float32) - zf).to(DT),
-                (((qw >> 8) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 12) & 0xF).to(tl.float32) - zf).to(DT),
-                (((qw >> 16) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 20) & 0xF).to(tl.float32) - zf).to(DT),
-                (((qw >> 24) & 0xF).to(tl.float32) - zf).to(DT), (((qw >> 28) & 0xF).to(tl.float32) - zf).to(DT))
+        return (_sub_plane(qw, 0, z, DT), _sub_plane(qw, 1, z, DT), _sub_plane(qw, 2, z, DT),
+                _sub_plane(qw, 3, z, DT), _sub_plane(qw, 4, z, DT), _sub_plane(qw, 5, z, DT),
+                _sub_plane(qw, 6, z, DT), _sub_plane(qw, 7, z, DT))
     off = _magic_offset_zero(z, DT)
     if DT == tl.bfloat16:
         return tl.inline_asm_elementwise(_MAGIC_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
