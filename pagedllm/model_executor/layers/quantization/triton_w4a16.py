@@ -72,12 +72,19 @@ def _plane_values(qw, qw_hi, z, exp23, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(s_ptr, g, offs_n, mask, stride_sg, stride_sn):
+    """The scales of group g as stored ([BLOCK_N], fp16): a caller that loads them ahead
+    converts them where they are used, so the load is not waited for at once."""
+    return tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask, other=0.0)
+
+
+@triton.jit
 def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg, stride_zn, exp23,
                   BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
     """Scales and zero points (float32, [BLOCK_N]) of group g. The zero point becomes a
     float through 2^23's exponent too (int-to-float conversions run at a quarter rate)."""
     PACK: tl.constexpr = 32 // BITS
-    s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask, other=0.0).to(tl.float32)
+    s = _group_scales(s_ptr, g, offs_n, mask, stride_sg, stride_sn).to(tl.float32)
     zw = tl.load(z_ptr + g * stride_zg + (offs_n // PACK) * stride_zn, mask=mask, other=0)
     zf = (((zw >> ((offs_n % PACK) * BITS)) & ((1 << BITS) - 1)) | exp23).to(tl.float32, bitcast=True)
     return s, zf - (8388608.0 - ZERO_OFFSET)
@@ -410,8 +417,7 @@ def _wna16_planes(
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_first = pid_k * K_PER_SPLIT
-    s_next = tl.load(s_ptr + (k_first // GROUP) * stride_sg + offs_n * stride_sn, mask=n_mask & (k_first < K),
-                     other=0.0)
+    s_next = _group_scales(s_ptr, k_first // GROUP, offs_n, n_mask & (k_first < K), stride_sg, stride_sn)
     for k_step in range(0, K_PER_SPLIT, TILE_K):
         k0 = k_first + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
@@ -424,8 +430,8 @@ def _wna16_planes(
                                  stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
             s = s_next.to(tl.float32)
             k_next = k0 + TILE_K  # the next tile's scale, if this split has one
-            s_next = tl.load(s_ptr + (k_next // GROUP) * stride_sg + offs_n * stride_sn,
-                             mask=n_mask & (k_next < K) & (k_step + TILE_K < K_PER_SPLIT), other=0.0)
+            s_next = _group_scales(s_ptr, k_next // GROUP, offs_n,
+                                   n_mask & (k_next < K) & (k_step + TILE_K < K_PER_SPLIT), stride_sg, stride_sn)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             part_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # TWO_ACC only
             if SUB:
