@@ -51,6 +51,14 @@ def test_split_k_is_added_in_the_same_launch(m, split):
         assert int(tw.counters(torch.device(DEV)).abs().sum()) == 0
 
 
+def test_dequantize_in_chunks_of_equal_width():
+    """600 columns through a scratch chunk of at most 256 columns: three products of 256,
+    256 and 88 columns (widths rounded to the dequantizing block), each in its place."""
+    cfg = dict(gemv=False, planes=False, dequant=True, chunk_elements=512 * 256)
+    check_kernel(130, 512, 600, 128, False, 4, 1, torch.float32, seed=5, device=DEV, config=cfg)
+    check_kernel(130, 512, 600, 64, True, 4, 0, FP, seed=6, device=DEV, config=cfg)
+
+
 def test_half_precision_activations():
     check_kernel(5, 512, 72, 128, False, 4, 0, FP, seed=3, device=DEV)
     check_kernel(1, 512, 72, 64, True, 4, 1, FP, seed=4, device=DEV)
