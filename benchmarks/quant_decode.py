@@ -6,10 +6,11 @@ Two measurements:
   graph so launch gaps do not hide the kernels' time. Decode is bound by reading weights,
   so bytes/time is printed next to the copy bandwidth of the card.
 - `engine`: the whole model through `LLM(load_format="dummy", quantization=...)`: time per
-  decode step of the real engine (Python scheduler and all, no CUDA graphs).
+  decode step of the real engine (Python scheduler and all, decode CUDA graphs), bf16 and
+  GPTQ loaded together and measured in turns, the median of --repeats.
 
 Usage:  python benchmarks/quant_decode.py [--mode layers|engine|both] [--batch 1 16 256]
-        [--layers 32] [--group-size 128] [--act-order] [--sweep]
+        [--layers 32] [--group-size 128] [--sweep [--sweep-best]] [--repeats 5]
 Prints a table; writes the numbers to $OUT/quant_decode.json when OUT is set.
 """
 
@@ -239,8 +240,9 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "tie_word_embeddings": False}
 
 
-def _decode_step_ms(llm, batch: int, steps: int) -> float:
-    """(time of prefill + `steps` decodes) - (time of prefill alone), per decode step."""
+def _step_timer(llm, batch: int, steps: int):
+    """A function giving (time of prefill + `steps` decodes) - (time of prefill alone), per
+    decode step, in ms; the kernels are compiled and the graphs captured first."""
     from pagedllm import SamplingParams
 
     prompts = [{"prompt_token_ids": [(7 * i + j) % VOCAB for j in range(16)]} for i in range(batch)]
@@ -252,29 +254,37 @@ def _decode_step_ms(llm, batch: int, steps: int) -> float:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    run(2)  # warm-up: kernels compiled
-    return (run(steps + 1) - run(1)) / steps * 1e3
+    run(2)
+    return lambda: (run(steps + 1) - run(1)) / steps * 1e3
 
 
 def bench_engine(args) -> list[dict]:
+    """Both models loaded at once and measured in turns, `repeats` times per batch: one
+    difference of two runs moved by 0.1-0.3 ms per step between runs of the same build,
+    and in turns a drift of the clocks weighs on both alike. The median is reported."""
     from pagedllm import LLM
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump({**LLAMA2_7B, "num_hidden_layers": args.layers}, f)
-        for quant in (None, "gptq"):
-            llm = LLM(model=d, load_format="dummy", quantization=quant, dtype="bfloat16",
-                      skip_tokenizer_init=True, max_model_len=1024, num_kv_blocks=2048,
-                      max_num_seqs=max(args.batch))
-            for batch in args.batch:
-                ms = _decode_step_ms(llm, batch, args.decode_steps)
-                rows.append({"quantization": quant or "bf16", "batch": batch, "layers": args.layers,
+        llms = {quant or "bf16": LLM(model=d, load_format="dummy", quantization=quant, dtype="bfloat16",
+                                     skip_tokenizer_init=True, max_model_len=1024, num_kv_blocks=2048,
+                                     max_num_seqs=max(args.batch))
+                for quant in (None, "gptq")}
+        for batch in args.batch:
+            timers = {name: _step_timer(llm, batch, args.decode_steps) for name, llm in llms.items()}
+            times: dict[str, list[float]] = {name: [] for name in llms}
+            for _ in range(args.repeats):
+                for name, timer in timers.items():
+                    times[name].append(timer())
+            for name, llm in llms.items():
+                ms = sorted(times[name])[len(times[name]) // 2]
+                rows.append({"quantization": name, "batch": batch, "layers": args.layers,
                              "weights_GiB": llm.engine.describe()["weights_GiB"],
-                             "decode_step_ms": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3, 1)})
+                             "decode_step_ms": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3, 1),
+                             "all_ms": [round(t, 3) for t in times[name]]})
                 print(rows[-1])
-            llm = None
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -286,6 +296,7 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5, help="engine: median of this many measurements")
     p.add_argument("--sweep", action="store_true", help="also time alternative kernel configs per shape")
     p.add_argument("--sweep-best", action="store_true", help="time the stack with the sweep's best configs")
     args = p.parse_args()
