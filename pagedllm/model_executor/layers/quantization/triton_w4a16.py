@@ -79,15 +79,21 @@ def _group_scales(s_ptr, g, offs_n, mask, stride_sg, stride_sn):
 
 
 @triton.jit
-def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg, stride_zn, exp23,
-                  BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
-    """Scales and zero points (float32, [BLOCK_N]) of group g. The zero point becomes a
-    float through 2^23's exponent too (int-to-float conversions run at a quarter rate)."""
+def _group_zeros(z_ptr, g, offs_n, mask, stride_zg, stride_zn, exp23, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+    """The zero points (float32, [BLOCK_N]) of group g. Each becomes a float through 2^23's
+    exponent too (int-to-float conversions run at a quarter rate)."""
     PACK: tl.constexpr = 32 // BITS
-    s = _group_scales(s_ptr, g, offs_n, mask, stride_sg, stride_sn).to(tl.float32)
     zw = tl.load(z_ptr + g * stride_zg + (offs_n // PACK) * stride_zn, mask=mask, other=0)
     zf = (((zw >> ((offs_n % PACK) * BITS)) & ((1 << BITS) - 1)) | exp23).to(tl.float32, bitcast=True)
-    return s, zf - (8388608.0 - ZERO_OFFSET)
+    return zf - (8388608.0 - ZERO_OFFSET)
+
+
+@triton.jit
+def _group_params(s_ptr, z_ptr, g, offs_n, mask, stride_sg, stride_sn, stride_zg, stride_zn, exp23,
+                  BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr):
+    """Scales and zero points (float32, [BLOCK_N]) of group g."""
+    s = _group_scales(s_ptr, g, offs_n, mask, stride_sg, stride_sn).to(tl.float32)
+    return s, _group_zeros(z_ptr, g, offs_n, mask, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
 
 
 @triton.jit
@@ -426,9 +432,9 @@ def _wna16_planes(
         if MAGIC and not SUB:
             planes = _magic_planes(qw, DT, MAGIC, ASM)
         if TILE_IN_GROUP:
-            _, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
-                                 stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
-            s = s_next.to(tl.float32)
+            z = _group_zeros(z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), stride_zg, stride_zn, exp23, BITS,
+                             ZERO_OFFSET)
+            s = s_next.to(tl.float32)  # loaded a tile ago
             k_next = k0 + TILE_K  # the next tile's scale, if this split has one
             s_next = _group_scales(s_ptr, k_next // GROUP, offs_n,
                                    n_mask & (k_next < K) & (k_step + TILE_K < K_PER_SPLIT), stride_sg, stride_sn)
