@@ -3,7 +3,7 @@
 `out[M, N] = x[M, K] @ W[K, N]` where W is never materialised in memory: each program
 loads the int32 words of its weight tile and turns each value into q - z in registers
 (`_plane_values`: one logic op and one FMA per weight, no shifts, no int-to-float
-conversion); the group's scale multiplies partial sums, not weights. So the weights stay
+conversion; one row at a time the group's scale multiplies partial sums). So the weights stay
 packed in GPU memory, and decode, which is bound by reading the weights, has about a
 quarter of the bytes of bf16 to read. At batch 1 the kernel is bound by instruction issue
 rather than by memory, which is why the instruction count per weight is the design's
@@ -13,12 +13,14 @@ Three paths share the layout:
 - `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
   accumulator and reduces once at the end: no tensor cores, no operand shuffles.
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
-  its values to `tl.dot`, the scale applied to the product. With 4-bit values and 16-bit
-  activations the values become 16-bit floats straight from the bits,
-  MAGIC | q = MAGIC_F + q, two to a register, and one FMA with -(MAGIC_F + z) leaves
-  q - z exactly (`_magic_sub_planes`: 5-6 instructions per 4 weights); with groups
-  smaller than a tile a second product with -(z + MAGIC_F) per plane does it
-  (`_magic_planes_asm`); else the values go through float32 (`_plane_values`).
+  its values to `tl.dot`. With 4-bit values, 16-bit activations and the tile in one
+  group, the values become 16-bit floats straight from the bits, MAGIC | q = MAGIC_F + q,
+  two to a register; one FMA with -(MAGIC_F + z) leaves q - z exactly and one more
+  multiplies by the scale, so the tensor cores get the 16-bit weights a dequantized
+  checkpoint has (`_magic_sub_planes`: 7-8 instructions per 4 weights) and the products
+  add up in one accumulator. With groups smaller than a tile a second product with
+  -(z + MAGIC_F) per plane removes the offset (`_magic_planes_asm`) and the scale
+  multiplies each plane's product; else the values go through float32 (`_plane_values`).
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
   columns into a scratch buffer and multiplies them with torch.mm.
 Small problems are split along K so that every SM has work; the split that finishes
@@ -240,27 +242,32 @@ _MAGIC_ASM_FP16 = tl.constexpr(_magic_asm(FP16_MAGIC))
 
 
 def _magic_sub_asm(magic: int, fma: str, one: int, sixteenth: int) -> str:
-    """PTX of _magic_sub_planes: outputs $0..$7 (planes 0..7 as q - z, two words per
-    register), inputs $8, $9 (two words), $10, $11 (their -(MAGIC_F + z)) and, with
-    `sixteenth`, $12, $13 (their -(MAGIC_F / 16 + z)). The zero points are paired per word
-    (one prmt), so the code holds in any layout. Per 4 weights: a byte permute, two masks
-    and two FMAs (bf16: and a shift)."""
+    """PTX of _magic_sub_planes: outputs $0..$7 (planes 0..7 as (q - z) s, two words per
+    register), inputs $8, $9 (two words), $10, $11 (their -(MAGIC_F + z)), with
+    `sixteenth` $12, $13 (their -(MAGIC_F / 16 + z)), and last the two words' scales. The
+    zero points and scales are paired per word (one prmt each), so the code holds in any
+    layout. Per 4 weights: a byte permute, two masks and four FMAs (bf16: and a shift);
+    q - z is exact, the product with the scale rounds once, to the 16-bit weight a
+    dequantized checkpoint has."""
     pair = f"0x{magic:04X}{magic:04X}"
-    lines = ["{", ".reg .b32 t, u, v, zl, zh, one, sixteenth;", f"mov.b32 one, 0x{one:04X}{one:04X};",
-             "prmt.b32 zl, $10, $11, 0x5410;"]
+    sc = 14 if sixteenth else 12
+    lines = ["{", ".reg .b32 t, u, v, h, zl, zh, sl, one, sixteenth, nz;", f"mov.b32 one, 0x{one:04X}{one:04X};",
+             "mov.b32 nz, 0x80008000;", "prmt.b32 zl, $10, $11, 0x5410;", f"prmt.b32 sl, ${sc}, ${sc + 1}, 0x5410;"]
     if sixteenth:
         lines += [f"mov.b32 sixteenth, 0x{sixteenth:04X}{sixteenth:04X};", "prmt.b32 zh, $12, $13, 0x5410;"]
     for b in range(4):
         lines += [f"prmt.b32 t, $8, $9, 0x{_byte_pair(b):04X};",
                   f"lop3.b32 v, t, 0x000F000F, {pair}, 0xEA;",
-                  f"{fma} ${2 * b}, v, one, zl;"]
+                  f"{fma} h, v, one, zl;",
+                  f"{fma} ${2 * b}, h, sl, nz;"]
         if sixteenth:  # fp16 (10 mantissa bits): the high nibble in place reads as MAGIC_F + 16 q
             lines += [f"lop3.b32 v, t, 0x00F000F0, {pair}, 0xEA;",
-                      f"{fma} ${2 * b + 1}, v, sixteenth, zh;"]
+                      f"{fma} h, v, sixteenth, zh;"]
         else:  # bf16 has 7 mantissa bits: the high nibble is shifted down first
             lines += ["shr.u32 u, t, 4;",
                       f"lop3.b32 v, u, 0x000F000F, {pair}, 0xEA;",
-                      f"{fma} ${2 * b + 1}, v, one, zl;"]
+                      f"{fma} h, v, one, zl;"]
+        lines.append(f"{fma} ${2 * b + 1}, h, sl, nz;")
     return "\n".join(lines + ["}"])
 
 
@@ -270,39 +277,43 @@ _MAGIC_SUB_FP16 = tl.constexpr(_magic_sub_asm(FP16_MAGIC, "fma.rn.f16x2", 0x3C00
 
 @triton.jit
 def _half_words(x, DT: tl.constexpr, shape):
-    """x ([BLOCK_N] float32, exact in DT) as DT's bits in the low half of int32 words,
+    """x ([BLOCK_N] float32) rounded to DT, as DT's bits in the low half of int32 words,
     broadcast to `shape` (an operand of the inline PTX)."""
     return tl.broadcast_to((x.to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)[None, :], shape)
 
 
 @triton.jit
-def _sub_plane(qw, J: tl.constexpr, z, DT: tl.constexpr):
-    """Plane J as q - z in DT with plain Triton ops (_magic_sub_planes without PTX)."""
-    return (((qw >> (4 * J)) & 0xF).to(tl.float32) - z[None, :]).to(DT)
+def _sub_plane(qw, J: tl.constexpr, z, s, DT: tl.constexpr):
+    """Plane J as (q - z) s in DT with plain Triton ops (_magic_sub_planes without PTX):
+    q - z and the scale in DT, their product (exact in float32) rounded once to DT."""
+    q = ((qw >> (4 * J)) & 0xF).to(tl.float32)
+    return ((q - z[None, :]) * s.to(DT).to(tl.float32)[None, :]).to(DT)
 
 
 @triton.jit
-def _magic_sub_planes(qw, z, DT: tl.constexpr, ASM: tl.constexpr):
-    """The tile's 8 planes as q - z in DT (4-bit values, one zero point per column: the
-    tile lies in one group). MAGIC | q reads as MAGIC_F + q, and one FMA with
-    -(MAGIC_F + z) leaves q - z, exact (small integers), ready for the tensor cores: no
-    second product for the zero point, no float32 on the way. For fp16 the high nibble is
-    not even shifted: MAGIC | 16 q reads as MAGIC_F + 16 q, and x / 16 - (MAGIC_F / 16 + z)
-    is q - z. Without PTX (Triton's CPU interpreter) the same values in plain Triton."""
+def _magic_sub_planes(qw, z, s, DT: tl.constexpr, ASM: tl.constexpr):
+    """The tile's 8 planes as (q - z) s in DT (4-bit values, one zero point and scale per
+    column: the tile lies in one group). MAGIC | q reads as MAGIC_F + q, one FMA with
+    -(MAGIC_F + z) leaves q - z, exact (small integers), and a multiply by the scale
+    rounds once to DT: the weight a dequantized checkpoint holds, ready for the tensor
+    cores, with no second product for the zero point and no float32 on the way. For fp16
+    the high nibble is not even shifted: MAGIC | 16 q reads as MAGIC_F + 16 q, and
+    x / 16 - (MAGIC_F / 16 + z) is q - z. bf16 takes the fp16 scales rounded to bf16.
+    Without PTX (Triton's CPU interpreter) the same values in plain Triton."""
     if not ASM:
-        return (_sub_plane(qw, 0, z, DT), _sub_plane(qw, 1, z, DT), _sub_plane(qw, 2, z, DT),
-                _sub_plane(qw, 3, z, DT), _sub_plane(qw, 4, z, DT), _sub_plane(qw, 5, z, DT),
-                _sub_plane(qw, 6, z, DT), _sub_plane(qw, 7, z, DT))
+        return (_sub_plane(qw, 0, z, s, DT), _sub_plane(qw, 1, z, s, DT), _sub_plane(qw, 2, z, s, DT),
+                _sub_plane(qw, 3, z, s, DT), _sub_plane(qw, 4, z, s, DT), _sub_plane(qw, 5, z, s, DT),
+                _sub_plane(qw, 6, z, s, DT), _sub_plane(qw, 7, z, s, DT))
     off = _magic_offset_zero(z, DT)
     if DT == tl.bfloat16:
-        return tl.inline_asm_elementwise(_MAGIC_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-                                         [qw, _half_words(0.0 - off, DT, qw.shape)],
+        return tl.inline_asm_elementwise(_MAGIC_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                         [qw, _half_words(0.0 - off, DT, qw.shape), _half_words(s, DT, qw.shape)],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
     else:
         off16 = off - _magic_offset_zero(0.0, DT) * (15.0 / 16.0)  # MAGIC_F / 16 + z
-        return tl.inline_asm_elementwise(_MAGIC_SUB_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+        return tl.inline_asm_elementwise(_MAGIC_SUB_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
                                          [qw, _half_words(0.0 - off, DT, qw.shape),
-                                          _half_words(0.0 - off16, DT, qw.shape)],
+                                          _half_words(0.0 - off16, DT, qw.shape), _half_words(s, DT, qw.shape)],
                                          dtype=(tl.float16,) * 8, is_pure=True, pack=2)
 
 
@@ -392,22 +403,25 @@ def _wna16_planes(
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, TWO_ACC: tl.constexpr,
+    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, TWO_ACC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
     of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
-    integer, [BLOCK_M, 16] @ [16, BLOCK_N]. The scale multiplies the product, once per
-    tile when the tile lies in one group (TILE_IN_GROUP), else once per plane.
+    integer, [BLOCK_M, 16] @ [16, BLOCK_N].
 
-    MAGIC with the tile in one group: the planes arrive as q - z in 16 bits
-    (_magic_sub_planes), one product per plane. MAGIC with smaller groups: the planes are
-    MAGIC_F + q and a second product with -(z + MAGIC_F) per plane takes the offset and
-    the zero point away (_plane_step). TWO_ACC adds even and odd planes into two
-    accumulators: two chains of dependent tensor-core instructions, half as long.
+    MAGIC with the tile in one group (SUB): the planes arrive as (q - z) s in 16 bits
+    (_magic_sub_planes), one product per plane straight into the accumulator: no partial
+    sum per tile to scale (7B layer at 16 rows, each linear at its best configuration:
+    70.8 us, against 72.8 with a scaled float32 partial per tile). MAGIC with smaller groups: the planes
+    are MAGIC_F + q and a second product with -(z + MAGIC_F) per plane takes the offset and
+    the zero point away (_plane_step); the scale multiplies the tile's (or the plane's)
+    float32 product. TWO_ACC adds even and odd planes into two accumulators: two chains
+    of dependent tensor-core instructions, half as long.
 
-    The scale of the next tile is loaded a tile ahead: a 2-byte load per thread cannot go
-    through the pipeline's asynchronous copies, and loaded where it is used it cost a
-    memory round trip per tile (7B linears at 16 rows: 5-15% faster so)."""
+    The loop is `tl.range(num_stages=STAGES)`: so Triton's pipeliner makes every load of
+    the loop an asynchronous copy some tiles ahead, the scales and zero points included
+    (with the kernel's num_stages alone, only loads that feed `tl.dot` are; the scales
+    were loaded in the tile and each tile waited a memory round trip for them)."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -422,37 +436,33 @@ def _wna16_planes(
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_first = pid_k * K_PER_SPLIT
-    s_next = _group_scales(s_ptr, k_first // GROUP, offs_n, n_mask & (k_first < K), stride_sg, stride_sn)
-    for k_step in range(0, K_PER_SPLIT, TILE_K):
-        k0 = k_first + k_step
+    acc_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SUB and TWO_ACC only
+    for k_step in tl.range(0, K_PER_SPLIT, TILE_K, num_stages=STAGES):
+        k0 = pid_k * K_PER_SPLIT + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
         qw_hi = qw >> 16
         planes = qw
         if MAGIC and not SUB:
             planes = _magic_planes(qw, DT, MAGIC, ASM)
-        if TILE_IN_GROUP:
-            z = _group_zeros(z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), stride_zg, stride_zn, exp23, BITS,
-                             ZERO_OFFSET)
-            s = s_next.to(tl.float32)  # loaded a tile ago
-            k_next = k0 + TILE_K  # the next tile's scale, if this split has one
-            s_next = _group_scales(s_ptr, k_next // GROUP, offs_n,
-                                   n_mask & (k_next < K) & (k_step + TILE_K < K_PER_SPLIT), stride_sg, stride_sn)
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            part_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # TWO_ACC only
-            if SUB:
-                planes = _magic_sub_planes(qw, z, DT, ASM)
+        if SUB:
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
+                                 stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+            planes = _magic_sub_planes(qw, z, s, DT, ASM)
             for j in tl.static_range(PACK):
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
                                 stride_am, stride_ak, HAS_PERM)
-                if SUB and TWO_ACC and j % 2 == 1:
-                    part_odd = tl.dot(a, planes[j], part_odd)
-                elif SUB:
-                    part = tl.dot(a, planes[j], part)
+                if TWO_ACC and j % 2 == 1:
+                    acc_odd = tl.dot(a, planes[j], acc_odd)
                 else:
-                    part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
-            if SUB and TWO_ACC:
-                part += part_odd
+                    acc = tl.dot(a, planes[j], acc)
+        elif TILE_IN_GROUP:
+            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
+                                 stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
+                                stride_am, stride_ak, HAS_PERM)
+                part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
@@ -463,6 +473,8 @@ def _wna16_planes(
                 zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc += s[None, :] * _plane_step(a, qw, qw_hi, planes, z, zero, exp23, j, BITS, IEEE,
                                                 ZERO_IN_DOT, MAGIC)
+    if SUB and TWO_ACC:
+        acc += acc_odd
     tile = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     _finish(acc, c_ptr + tile, p_ptr + offs_m[:, None] * N + offs_n[None, :], stride_ps,
             m_mask[:, None] & n_mask[None, :], cnt_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k,
@@ -586,29 +598,30 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     batch size must not pay for a search)."""
     if m >= DEQUANT_MIN_ROWS:
         return dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS)
-    # (block rows, block columns, warps, pipeline stages, programs to aim for, fewest K
-    # tiles per split). Splits finish in the same launch (_finish), but each one writes a
-    # float32 partial, so with more rows fewer splits pay. From 2 rows on the weights reach
-    # the tensor cores as 16-bit floats made from the bits (magic; 4-bit values and 16-bit
-    # activations, else float32 with the zero point in a second product); up to 16 rows
-    # even and odd planes go to two accumulators (two_acc). Times: Llama-2-7B's linears
-    # at 16 rows on an H200, one call each in a CUDA graph (bf16 in brackets).
-    if m == 1:
-        bm, bn, warps, stages, programs, min_tiles = 1, 64, 4, 3, 8 * num_sms, 3
-    elif m <= 16 and n <= 4096 and k <= 4096:  # o: 10.0 us (8.9)
-        bm, bn, warps, stages, programs, min_tiles = 16, 64, 1, 3, 4 * num_sms, 2
-    elif m <= 16 and n >= 16384:  # gate_up: 29.7 us (44.1)
-        bm, bn, warps, stages, programs, min_tiles = 16, 128, 4, 3, 2 * num_sms, 2
-    elif m <= 16 and k >= 8192:  # down: 18.2 us (27.2)
-        bm, bn, warps, stages, programs, min_tiles = 16, 64, 1, 2, 8 * num_sms, 2
-    elif m <= 16:  # qkv: 19.7 us (26.1)
-        bm, bn, warps, stages, programs, min_tiles = 16, 64, 1, 3, 2 * num_sms, 2
-    else:  # 17..127 rows; qkv at 64 rows: 35.2 us (26.4)
-        bm, bn, warps, stages, programs, min_tiles = 32, 128, 4, 3, 2 * num_sms, 2
+    # Splits finish in the same launch (_finish), but each one writes a float32 partial and
+    # the last one adds them up, so a split must pay for that. From 2 rows on the weights
+    # reach the tensor cores as 16-bit floats made from the bits (magic; 4-bit values and
+    # 16-bit activations, else float32 with the zero point in a second product); up to 16
+    # rows even and odd planes go to two accumulators (two_acc).
     tile_k = tile_k_for(bits)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    split = max(1, min(triton.cdiv(programs, tiles), k // (min_tiles * tile_k)))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), tile_k) * tile_k
+    if m == 1:
+        bm, bn, warps, stages = 1, 64, 4, 3
+        tiles = triton.cdiv(n, bn)
+        split = min(triton.cdiv(8 * num_sms, tiles), k // (3 * tile_k))
+    elif m <= 16:
+        # One tile shape for every linear, and as many splits as fill one wave of programs
+        # and no more (at most 8): 4 programs fit on an SM (189 registers a thread and
+        # 26 KB of shared memory each), and a second wave of a few programs would take
+        # nearly as long as the first. Llama-2-7B at 16 rows on an H200, one call each in a
+        # CUDA graph: gate_up 25.1 us with 3 splits (516 programs), 28.8 us with 4 (688).
+        bm, bn, warps, stages = 16, 128, 2, 3
+        tiles = triton.cdiv(n, bn)
+        split = min(8, 4 * num_sms // tiles, k // (2 * tile_k))
+    else:  # 17..127 rows; qkv at 64 rows: 35.2 us (bf16 26.4)
+        bm, bn, warps, stages = 32, 128, 4, 3
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = min(triton.cdiv(2 * num_sms, tiles), k // (2 * tile_k))
+    k_per_split = triton.cdiv(triton.cdiv(k, max(1, split)), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True,
                 two_acc=m <= 16)
@@ -654,7 +667,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
             raise ValueError("the GEMV kernel takes one row")
         _wna16_gemv[(grid_n, split)](*args, **common)
     else:
-        _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
+        _wna16_planes[(grid_n, grid_m, split)](*args, STAGES=cfg["num_stages"], IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
                                                ZERO_IN_DOT=cfg.get("zero_in_dot", True),
                                                MAGIC=_magic(x.dtype, bits) if cfg.get("magic", True) else 0,
                                                ASM=x.is_cuda, TWO_ACC=cfg.get("two_acc", False), **common)
