@@ -65,8 +65,9 @@ def test_half_precision_activations():
 
 
 @pytest.mark.parametrize("unpack", [dict(magic=True), dict(magic=True, two_acc=True),
+                                    dict(magic=True, fold=True), dict(magic=True, two_acc=True, fold=True),
                                     dict(magic=False, zero_in_dot=True), dict(magic=False, zero_in_dot=False)],
-                         ids=["magic", "magic-two-acc", "zero_in_dot", "fma"])
+                         ids=["magic", "magic-two-acc", "fold", "fold-two-acc", "zero_in_dot", "fma"])
 @pytest.mark.parametrize("group_size", [128, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, FP, pytest.param(
     torch.bfloat16, marks=pytest.mark.skipif(INTERPRET, reason="the interpreter's bf16 products are wrong"))],
@@ -75,8 +76,10 @@ def test_planes_each_way_of_unpacking_gives_the_product(unpack, group_size, dtyp
     """The tensor-core kernel's ways to the weights give the same product: 16-bit floats
     from the bits (q - z made in 16 bits when a tile lies in one group, group 128; the
     zero point and magic offset through a second product per plane, group 48), in one
-    accumulator or two; float32 values with the zero point in a second product; float32
-    q - z. fp32 activations take the float32 routes whatever the configuration asks."""
+    accumulator or two, the scale on each tile's partial or folded into the 16-bit weights
+    (fold, with the pipelined loop); float32 values with the zero point in a second
+    product; float32 q - z. fp32 activations take the float32 routes whatever the
+    configuration asks."""
     cfg = {**_config(5, 800, 2), **unpack}
     check_kernel(5, 800, 72, group_size, True, 4, 1, dtype, seed=group_size, device=DEV, config=cfg)
 

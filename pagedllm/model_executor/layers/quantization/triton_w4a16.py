@@ -241,38 +241,43 @@ _MAGIC_ASM_BF16 = tl.constexpr(_magic_asm(BF16_MAGIC))
 _MAGIC_ASM_FP16 = tl.constexpr(_magic_asm(FP16_MAGIC))
 
 
-def _magic_sub_asm(magic: int, fma: str, one: int, sixteenth: int) -> str:
-    """PTX of _magic_sub_planes: outputs $0..$7 (planes 0..7 as (q - z) s, two words per
-    register), inputs $8, $9 (two words), $10, $11 (their -(MAGIC_F + z)), with
-    `sixteenth` $12, $13 (their -(MAGIC_F / 16 + z)), and last the two words' scales. The
-    zero points and scales are paired per word (one prmt each), so the code holds in any
-    layout. Per 4 weights: a byte permute, two masks and four FMAs (bf16: and a shift);
-    q - z is exact, the product with the scale rounds once, to the 16-bit weight a
-    dequantized checkpoint has."""
+def _magic_sub_asm(magic: int, fma: str, one: int, sixteenth: int, scaled: bool) -> str:
+    """PTX of _magic_sub_planes: outputs $0..$7 (planes 0..7 as q - z, or (q - z) s when
+    `scaled`, two words per register), inputs $8, $9 (two words), $10, $11 (their
+    -(MAGIC_F + z)), with `sixteenth` $12, $13 (their -(MAGIC_F / 16 + z)) and, when
+    `scaled`, last the two words' scales. Zero points and scales are paired per word (one
+    prmt each), so the code holds in any layout. Per 4 weights: a byte permute, two masks
+    and two FMAs (bf16: and a shift), and two more FMAs to scale. q - z is exact; the
+    product with the scale rounds once, to the 16-bit weight a dequantized checkpoint has."""
     pair = f"0x{magic:04X}{magic:04X}"
-    sc = 14 if sixteenth else 12
-    lines = ["{", ".reg .b32 t, u, v, h, zl, zh, sl, one, sixteenth, nz;", f"mov.b32 one, 0x{one:04X}{one:04X};",
-             "mov.b32 nz, 0x80008000;", "prmt.b32 zl, $10, $11, 0x5410;", f"prmt.b32 sl, ${sc}, ${sc + 1}, 0x5410;"]
+    regs = "t, u, v, zl, zh, one, sixteenth" + (", h, sl, nz" if scaled else "")
+    lines = ["{", f".reg .b32 {regs};", f"mov.b32 one, 0x{one:04X}{one:04X};", "prmt.b32 zl, $10, $11, 0x5410;"]
     if sixteenth:
         lines += [f"mov.b32 sixteenth, 0x{sixteenth:04X}{sixteenth:04X};", "prmt.b32 zh, $12, $13, 0x5410;"]
+    if scaled:  # nz: -0.0, so that fma(h, s, -0) is the product h s, rounded once
+        sc = 14 if sixteenth else 12
+        lines += ["mov.b32 nz, 0x80008000;", f"prmt.b32 sl, ${sc}, ${sc + 1}, 0x5410;"]
+
+    def out(reg: int, v: str, mul: str, zero: str) -> list[str]:
+        if not scaled:
+            return [f"{fma} ${reg}, {v}, {mul}, {zero};"]
+        return [f"{fma} h, {v}, {mul}, {zero};", f"{fma} ${reg}, h, sl, nz;"]
+
     for b in range(4):
         lines += [f"prmt.b32 t, $8, $9, 0x{_byte_pair(b):04X};",
-                  f"lop3.b32 v, t, 0x000F000F, {pair}, 0xEA;",
-                  f"{fma} h, v, one, zl;",
-                  f"{fma} ${2 * b}, h, sl, nz;"]
+                  f"lop3.b32 v, t, 0x000F000F, {pair}, 0xEA;", *out(2 * b, "v", "one", "zl")]
         if sixteenth:  # fp16 (10 mantissa bits): the high nibble in place reads as MAGIC_F + 16 q
-            lines += [f"lop3.b32 v, t, 0x00F000F0, {pair}, 0xEA;",
-                      f"{fma} h, v, sixteenth, zh;"]
+            lines += [f"lop3.b32 v, t, 0x00F000F0, {pair}, 0xEA;", *out(2 * b + 1, "v", "sixteenth", "zh")]
         else:  # bf16 has 7 mantissa bits: the high nibble is shifted down first
             lines += ["shr.u32 u, t, 4;",
-                      f"lop3.b32 v, u, 0x000F000F, {pair}, 0xEA;",
-                      f"{fma} h, v, one, zl;"]
-        lines.append(f"{fma} ${2 * b + 1}, h, sl, nz;")
+                      f"lop3.b32 v, u, 0x000F000F, {pair}, 0xEA;", *out(2 * b + 1, "v", "one", "zl")]
     return "\n".join(lines + ["}"])
 
 
-_MAGIC_SUB_BF16 = tl.constexpr(_magic_sub_asm(BF16_MAGIC, "fma.rn.bf16x2", 0x3F80, 0))
-_MAGIC_SUB_FP16 = tl.constexpr(_magic_sub_asm(FP16_MAGIC, "fma.rn.f16x2", 0x3C00, 0x2C00))
+_MAGIC_SUB_BF16 = tl.constexpr(_magic_sub_asm(BF16_MAGIC, "fma.rn.bf16x2", 0x3F80, 0, False))
+_MAGIC_SUB_FP16 = tl.constexpr(_magic_sub_asm(FP16_MAGIC, "fma.rn.f16x2", 0x3C00, 0x2C00, False))
+_MAGIC_SUB_SCALED_BF16 = tl.constexpr(_magic_sub_asm(BF16_MAGIC, "fma.rn.bf16x2", 0x3F80, 0, True))
+_MAGIC_SUB_SCALED_FP16 = tl.constexpr(_magic_sub_asm(FP16_MAGIC, "fma.rn.f16x2", 0x3C00, 0x2C00, True))
 
 
 @triton.jit
@@ -283,38 +288,54 @@ def _half_words(x, DT: tl.constexpr, shape):
 
 
 @triton.jit
-def _sub_plane(qw, J: tl.constexpr, z, s, DT: tl.constexpr):
-    """Plane J as (q - z) s in DT with plain Triton ops (_magic_sub_planes without PTX):
-    q - z and the scale in DT, their product (exact in float32) rounded once to DT."""
-    q = ((qw >> (4 * J)) & 0xF).to(tl.float32)
-    return ((q - z[None, :]) * s.to(DT).to(tl.float32)[None, :]).to(DT)
+def _sub_plane(qw, J: tl.constexpr, z, s, DT: tl.constexpr, SCALED: tl.constexpr):
+    """Plane J as q - z, or (q - z) s, in DT with plain Triton ops (_magic_sub_planes
+    without PTX): the scale in DT, its product with q - z (exact in float32) rounded once."""
+    w = ((qw >> (4 * J)) & 0xF).to(tl.float32) - z[None, :]
+    if SCALED:
+        w = w * s.to(DT).to(tl.float32)[None, :]
+    return w.to(DT)
 
 
 @triton.jit
-def _magic_sub_planes(qw, z, s, DT: tl.constexpr, ASM: tl.constexpr):
-    """The tile's 8 planes as (q - z) s in DT (4-bit values, one zero point and scale per
-    column: the tile lies in one group). MAGIC | q reads as MAGIC_F + q, one FMA with
-    -(MAGIC_F + z) leaves q - z, exact (small integers), and a multiply by the scale
-    rounds once to DT: the weight a dequantized checkpoint holds, ready for the tensor
-    cores, with no second product for the zero point and no float32 on the way. For fp16
-    the high nibble is not even shifted: MAGIC | 16 q reads as MAGIC_F + 16 q, and
-    x / 16 - (MAGIC_F / 16 + z) is q - z. bf16 takes the fp16 scales rounded to bf16.
-    Without PTX (Triton's CPU interpreter) the same values in plain Triton."""
+def _magic_sub_planes(qw, z, s, DT: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr):
+    """The tile's 8 planes as q - z in DT, or (q - z) s when SCALED (4-bit values, one zero
+    point and scale per column: the tile lies in one group). MAGIC | q reads as
+    MAGIC_F + q, and one FMA with -(MAGIC_F + z) leaves q - z, exact (small integers),
+    ready for the tensor cores: no second product for the zero point, no float32 on the
+    way; SCALED, one more FMA multiplies by the scale and rounds once to DT, the weight a
+    dequantized checkpoint holds (bf16 takes the fp16 scales rounded to bf16). For fp16 the
+    high nibble is not even shifted: MAGIC | 16 q reads as MAGIC_F + 16 q, and
+    x / 16 - (MAGIC_F / 16 + z) is q - z. Without PTX (Triton's CPU interpreter) the same
+    values in plain Triton."""
     if not ASM:
-        return (_sub_plane(qw, 0, z, s, DT), _sub_plane(qw, 1, z, s, DT), _sub_plane(qw, 2, z, s, DT),
-                _sub_plane(qw, 3, z, s, DT), _sub_plane(qw, 4, z, s, DT), _sub_plane(qw, 5, z, s, DT),
-                _sub_plane(qw, 6, z, s, DT), _sub_plane(qw, 7, z, s, DT))
+        return (_sub_plane(qw, 0, z, s, DT, SCALED), _sub_plane(qw, 1, z, s, DT, SCALED),
+                _sub_plane(qw, 2, z, s, DT, SCALED), _sub_plane(qw, 3, z, s, DT, SCALED),
+                _sub_plane(qw, 4, z, s, DT, SCALED), _sub_plane(qw, 5, z, s, DT, SCALED),
+                _sub_plane(qw, 6, z, s, DT, SCALED), _sub_plane(qw, 7, z, s, DT, SCALED))
     off = _magic_offset_zero(z, DT)
     if DT == tl.bfloat16:
-        return tl.inline_asm_elementwise(_MAGIC_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
-                                         [qw, _half_words(0.0 - off, DT, qw.shape), _half_words(s, DT, qw.shape)],
-                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        if SCALED:
+            return tl.inline_asm_elementwise(_MAGIC_SUB_SCALED_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                             [qw, _half_words(0.0 - off, DT, qw.shape),
+                                              _half_words(s, DT, qw.shape)],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_MAGIC_SUB_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
+                                             [qw, _half_words(0.0 - off, DT, qw.shape)],
+                                             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
     else:
         off16 = off - _magic_offset_zero(0.0, DT) * (15.0 / 16.0)  # MAGIC_F / 16 + z
-        return tl.inline_asm_elementwise(_MAGIC_SUB_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
-                                         [qw, _half_words(0.0 - off, DT, qw.shape),
-                                          _half_words(0.0 - off16, DT, qw.shape), _half_words(s, DT, qw.shape)],
-                                         dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        if SCALED:
+            return tl.inline_asm_elementwise(_MAGIC_SUB_SCALED_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r",
+                                             [qw, _half_words(0.0 - off, DT, qw.shape),
+                                              _half_words(0.0 - off16, DT, qw.shape), _half_words(s, DT, qw.shape)],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+        else:
+            return tl.inline_asm_elementwise(_MAGIC_SUB_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r",
+                                             [qw, _half_words(0.0 - off, DT, qw.shape),
+                                              _half_words(0.0 - off16, DT, qw.shape)],
+                                             dtype=(tl.float16,) * 8, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -403,25 +424,30 @@ def _wna16_planes(
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, TWO_ACC: tl.constexpr, STAGES: tl.constexpr,
+    ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, TWO_ACC: tl.constexpr, FOLD: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
     of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
     integer, [BLOCK_M, 16] @ [16, BLOCK_N].
 
-    MAGIC with the tile in one group (SUB): the planes arrive as (q - z) s in 16 bits
-    (_magic_sub_planes), one product per plane straight into the accumulator: no partial
-    sum per tile to scale (7B layer at 16 rows, each linear at its best configuration:
-    70.8 us, against 72.8 with a scaled float32 partial per tile). MAGIC with smaller groups: the planes
-    are MAGIC_F + q and a second product with -(z + MAGIC_F) per plane takes the offset and
-    the zero point away (_plane_step); the scale multiplies the tile's (or the plane's)
-    float32 product. TWO_ACC adds even and odd planes into two accumulators: two chains
-    of dependent tensor-core instructions, half as long.
+    MAGIC with the tile in one group (SUB): the planes arrive as q - z in 16 bits
+    (_magic_sub_planes), one product per plane into a partial sum that the tile's scale
+    multiplies. FOLD (up to 16 rows): the planes arrive as (q - z) s and every product
+    goes straight into the accumulator, with no partial per tile (7B layer at 16 rows,
+    each linear at its best configuration: 70.8 us, against 72.8 with the partials; from
+    17 rows the partials win, a scale per weight costing more than one per output).
+    MAGIC with smaller groups: the planes are MAGIC_F + q and a second product with
+    -(z + MAGIC_F) per plane takes the offset and the zero point away (_plane_step).
+    TWO_ACC adds even and odd planes into two accumulators: two chains of dependent
+    tensor-core instructions, half as long.
 
-    The loop is `tl.range(num_stages=STAGES)`: so Triton's pipeliner makes every load of
-    the loop an asynchronous copy some tiles ahead, the scales and zero points included
-    (with the kernel's num_stages alone, only loads that feed `tl.dot` are; the scales
-    were loaded in the tile and each tile waited a memory round trip for them)."""
+    FOLD's loop is `tl.range(num_stages=LOOP_STAGES)`, so that Triton's pipeliner makes
+    every load of the loop an asynchronous copy some tiles ahead, the scales and zero
+    points included (with the kernel's num_stages alone only loads feeding `tl.dot` are).
+    Otherwise the scale of the next tile is loaded a tile ahead: a 2-byte load per thread
+    cannot go through those asynchronous copies, and loaded where it is used it cost a
+    memory round trip per tile (7B linears at 16 rows: 5-15% faster so)."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -436,18 +462,21 @@ def _wna16_planes(
     m_mask = offs_m < M
     n_mask = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SUB and TWO_ACC only
-    for k_step in tl.range(0, K_PER_SPLIT, TILE_K, num_stages=STAGES):
-        k0 = pid_k * K_PER_SPLIT + k_step
+    acc_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FOLD and TWO_ACC only
+    k_first = pid_k * K_PER_SPLIT
+    if not FOLD:
+        s_next = _group_scales(s_ptr, k_first // GROUP, offs_n, n_mask & (k_first < K), stride_sg, stride_sn)
+    for k_step in tl.range(0, K_PER_SPLIT, TILE_K, num_stages=LOOP_STAGES):
+        k0 = k_first + k_step
         qw = _tile_words(qw_ptr, k0, offs_r, offs_n, n_mask, K, stride_qk, stride_qn, PACK)
         qw_hi = qw >> 16
         planes = qw
         if MAGIC and not SUB:
             planes = _magic_planes(qw, DT, MAGIC, ASM)
-        if SUB:
+        if FOLD:
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
-            planes = _magic_sub_planes(qw, z, s, DT, ASM)
+            planes = _magic_sub_planes(qw, z, s, DT, ASM, True)
             for j in tl.static_range(PACK):
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
                                 stride_am, stride_ak, HAS_PERM)
@@ -456,13 +485,27 @@ def _wna16_planes(
                 else:
                     acc = tl.dot(a, planes[j], acc)
         elif TILE_IN_GROUP:
-            s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
-                                 stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
+            z = _group_zeros(z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), stride_zg, stride_zn, exp23, BITS,
+                             ZERO_OFFSET)
+            s = s_next.to(tl.float32)  # loaded a tile ago
+            k_next = k0 + TILE_K  # the next tile's scale, if this split has one
+            s_next = _group_scales(s_ptr, k_next // GROUP, offs_n,
+                                   n_mask & (k_next < K) & (k_step + TILE_K < K_PER_SPLIT), stride_sg, stride_sn)
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            part_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # TWO_ACC only
+            if SUB:
+                planes = _magic_sub_planes(qw, z, s, DT, ASM, False)
             for j in tl.static_range(PACK):
                 a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
                                 stride_am, stride_ak, HAS_PERM)
-                part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
+                if SUB and TWO_ACC and j % 2 == 1:
+                    part_odd = tl.dot(a, planes[j], part_odd)
+                elif SUB:
+                    part = tl.dot(a, planes[j], part)
+                else:
+                    part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
+            if SUB and TWO_ACC:
+                part += part_odd
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
@@ -473,7 +516,7 @@ def _wna16_planes(
                 zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 acc += s[None, :] * _plane_step(a, qw, qw_hi, planes, z, zero, exp23, j, BITS, IEEE,
                                                 ZERO_IN_DOT, MAGIC)
-    if SUB and TWO_ACC:
+    if FOLD and TWO_ACC:
         acc += acc_odd
     tile = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     _finish(acc, c_ptr + tile, p_ptr + offs_m[:, None] * N + offs_n[None, :], stride_ps,
@@ -602,7 +645,9 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     # the last one adds them up, so a split must pay for that. From 2 rows on the weights
     # reach the tensor cores as 16-bit floats made from the bits (magic; 4-bit values and
     # 16-bit activations, else float32 with the zero point in a second product); up to 16
-    # rows even and odd planes go to two accumulators (two_acc).
+    # rows even and odd planes go to two accumulators (two_acc) and the scales are folded
+    # into the 16-bit weights (fold; from 17 rows a float32 partial per tile is scaled
+    # instead: Llama-2-7B's stack at 64 rows was 0.67x bf16 folded, 0.75x so).
     tile_k = tile_k_for(bits)
     if m == 1:
         bm, bn, warps, stages = 1, 64, 4, 3
@@ -624,7 +669,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, split)), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True,
-                two_acc=m <= 16)
+                two_acc=m <= 16, fold=m <= 16)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -667,8 +712,10 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
             raise ValueError("the GEMV kernel takes one row")
         _wna16_gemv[(grid_n, split)](*args, **common)
     else:
-        _wna16_planes[(grid_n, grid_m, split)](*args, STAGES=cfg["num_stages"], IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
-                                               ZERO_IN_DOT=cfg.get("zero_in_dot", True),
-                                               MAGIC=_magic(x.dtype, bits) if cfg.get("magic", True) else 0,
-                                               ASM=x.is_cuda, TWO_ACC=cfg.get("two_acc", False), **common)
+        magic = _magic(x.dtype, bits) if cfg.get("magic", True) else 0
+        fold = cfg.get("fold", False) and magic != 0 and common["TILE_IN_GROUP"]
+        _wna16_planes[(grid_n, grid_m, split)](*args, IEEE=x.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"],
+                                               ZERO_IN_DOT=cfg.get("zero_in_dot", True), MAGIC=magic,
+                                               ASM=x.is_cuda, TWO_ACC=cfg.get("two_acc", False), FOLD=fold,
+                                               LOOP_STAGES=cfg["num_stages"] if fold else None, **common)
     return out
