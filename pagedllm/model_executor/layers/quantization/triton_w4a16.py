@@ -15,12 +15,13 @@ Three paths share the layout:
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
   its values to `tl.dot`. With 4-bit values, 16-bit activations and the tile in one
   group, the values become 16-bit floats straight from the bits, MAGIC | q = MAGIC_F + q,
-  two to a register; one FMA with -(MAGIC_F + z) leaves q - z exactly and one more
-  multiplies by the scale, so the tensor cores get the 16-bit weights a dequantized
-  checkpoint has (`_magic_sub_planes`: 7-8 instructions per 4 weights) and the products
-  add up in one accumulator. With groups smaller than a tile a second product with
-  -(z + MAGIC_F) per plane removes the offset (`_magic_planes_asm`) and the scale
-  multiplies each plane's product; else the values go through float32 (`_plane_values`).
+  two to a register, and one FMA with -(MAGIC_F + z) leaves q - z exactly
+  (`_magic_sub_planes`: 5-6 instructions per 4 weights); the scale multiplies each tile's
+  product, or, up to 16 rows, one more FMA folds it into the weights, which then are the
+  16-bit weights a dequantized checkpoint has, and every product goes straight into one
+  accumulator. With groups smaller than a tile a second product with -(z + MAGIC_F) per
+  plane removes the offset (`_magic_planes_asm`) and the scale multiplies each plane's
+  product; else the values go through float32 (`_plane_values`).
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
   columns into a scratch buffer and multiplies them with torch.mm.
 Small problems are split along K so that every SM has work; the split that finishes
