@@ -83,3 +83,21 @@ def test_planes_each_way_of_unpacking_gives_the_product(unpack, group_size, dtyp
     cfg = {**_config(5, 800, 2), **unpack}
     check_kernel(5, 800, 72, group_size, True, 4, 1, dtype, seed=group_size, device=DEV, config=cfg)
 
+
+
+@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize(("n", "k"), [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (72, 800)])
+@pytest.mark.parametrize("sms", [132, 108, 8])
+def test_small_batches_split_k_within_one_wave(m, n, k, sms):
+    """Up to 16 rows the split fills one wave of 4 programs an SM and never starts a
+    second (a second, nearly empty wave took almost as long as the first), at most 8
+    splits, and the splits cover K in whole tiles."""
+    cfg = tw.pick_config(m, n, k, 128, 4, sms)
+    tiles = -(-n // cfg["BLOCK_N"])
+    assert cfg["fold"] and cfg["BLOCK_M"] == 16
+    assert cfg["split"] == 1 or tiles * cfg["split"] <= 4 * sms
+    assert 1 <= cfg["split"] <= 8
+    assert cfg["k_per_split"] % tw.tile_k_for(4) == 0
+    assert (cfg["split"] - 1) * cfg["k_per_split"] < k <= cfg["split"] * cfg["k_per_split"]
+    if tiles * 2 <= 4 * sms and k >= 4 * tw.tile_k_for(4):  # room for a second split: it is taken
+        assert cfg["split"] >= 2
