@@ -146,8 +146,10 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
     else:
         cfgs = [(False, bm, bn, w, 3) for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 256, 8), (64, 256, 8))]
     # ways to the weights of the tensor-core kernel: 16-bit floats from the bits (magic; in
-    # one accumulator or two), float32 with the zero point in a second product, float32 q - z
+    # one accumulator or two; the scale folded into them or on each tile's partial), float32
+    # with the zero point in a second product, float32 q - z
     unpacks = [dict(magic=True, two_acc=False), dict(magic=True, two_acc=True),
+               dict(magic=True, two_acc=False, fold=True), dict(magic=True, two_acc=True, fold=True),
                dict(magic=False, zero_in_dot=True), dict(magic=False, zero_in_dot=False)]
     out = []
     for gemv, bm, bn, warps, stages in cfgs:
@@ -155,7 +157,7 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
             tiles = _cdiv(batch, bm) * _cdiv(n, bn)
             split = max(1, min(_cdiv(target * sms, tiles), k // 256))
             kps = _cdiv(_cdiv(k, split), 128) * 128
-            for unpack in [{}] if gemv else unpacks if batch > 16 else unpacks[:2]:
+            for unpack in [{}] if gemv else unpacks if batch > 16 else unpacks[:4]:
                 cfg = dict(gemv=gemv, planes=not gemv, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
                            num_stages=stages, split=_cdiv(k, kps), k_per_split=kps, **unpack)
                 if cfg not in out:
@@ -212,8 +214,8 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
             family = {}  # the best of each kernel (and of each way to the weights)
             for ms, c in results:
                 name_c = "dequant" if c.get("dequant") else "gemv" if c.get("gemv") else (
-                    ("planes-magic-two-acc" if c.get("two_acc") else "planes-magic") if c.get("magic")
-                    else "planes-f32")
+                    ("planes-magic" + ("-fold" if c.get("fold") else "") + ("-two-acc" if c.get("two_acc") else ""))
+                    if c.get("magic") else "planes-f32")
                 if name_c not in family or ms < family[name_c][0]:
                     family[name_c] = (ms, c)
             torch.nn.functional.linear(x, w)  # cuBLAS initialises outside the capture
