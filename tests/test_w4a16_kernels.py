@@ -84,7 +84,6 @@ def test_planes_each_way_of_unpacking_gives_the_product(unpack, group_size, dtyp
     check_kernel(5, 800, 72, group_size, True, 4, 1, dtype, seed=group_size, device=DEV, config=cfg)
 
 
-
 @pytest.mark.parametrize("m", [2, 8, 16])
 @pytest.mark.parametrize(("n", "k"), [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (72, 800)])
 @pytest.mark.parametrize("sms", [132, 108, 8])

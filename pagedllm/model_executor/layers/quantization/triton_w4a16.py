@@ -205,6 +205,21 @@ def _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, offs_k, K, stride_am, stride_ak
 
 
 @triton.jit
+def _plane_dots(a_ptr, perm_ptr, planes, acc, acc_odd, offs_m, m_mask, k0, offs_r, K, stride_am, stride_ak,
+                HAS_PERM: tl.constexpr, TWO_ACC: tl.constexpr, PACK: tl.constexpr):
+    """acc and acc_odd plus each 16-bit plane of a tile times its 16 activation columns:
+    the planes go to the tensor cores as they are; TWO_ACC sends the odd planes to
+    acc_odd, two chains of dependent tensor-core instructions, half as long."""
+    for j in tl.static_range(PACK):
+        a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * 16 + offs_r, K, stride_am, stride_ak, HAS_PERM)
+        if TWO_ACC and j % 2 == 1:
+            acc_odd = tl.dot(a, planes[j], acc_odd)
+        else:
+            acc = tl.dot(a, planes[j], acc)
+    return acc, acc_odd
+
+
+@triton.jit
 def _plane_dot(a, w, acc, IEEE: tl.constexpr):
     """acc + a [BLOCK_M, 16] @ w [16, BLOCK_N] (w = q - z: small integers, exact in the
     activations' dtype, so tensor cores take them as they are)."""
@@ -478,13 +493,8 @@ def _wna16_planes(
             s, z = _group_params(s_ptr, z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K),
                                  stride_sg, stride_sn, stride_zg, stride_zn, exp23, BITS, ZERO_OFFSET)
             planes = _magic_sub_planes(qw, z, s, DT, ASM, True)
-            for j in tl.static_range(PACK):
-                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
-                                stride_am, stride_ak, HAS_PERM)
-                if TWO_ACC and j % 2 == 1:
-                    acc_odd = tl.dot(a, planes[j], acc_odd)
-                else:
-                    acc = tl.dot(a, planes[j], acc)
+            acc, acc_odd = _plane_dots(a_ptr, perm_ptr, planes, acc, acc_odd, offs_m, m_mask, k0, offs_r, K,
+                                       stride_am, stride_ak, HAS_PERM, TWO_ACC, PACK)
         elif TILE_IN_GROUP:
             z = _group_zeros(z_ptr, k0 // GROUP, offs_n, n_mask & (k0 < K), stride_zg, stride_zn, exp23, BITS,
                              ZERO_OFFSET)
@@ -496,17 +506,15 @@ def _wna16_planes(
             part_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # TWO_ACC only
             if SUB:
                 planes = _magic_sub_planes(qw, z, s, DT, ASM, False)
-            for j in tl.static_range(PACK):
-                a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
-                                stride_am, stride_ak, HAS_PERM)
-                if SUB and TWO_ACC and j % 2 == 1:
-                    part_odd = tl.dot(a, planes[j], part_odd)
-                elif SUB:
-                    part = tl.dot(a, planes[j], part)
-                else:
+                part, part_odd = _plane_dots(a_ptr, perm_ptr, planes, part, part_odd, offs_m, m_mask, k0, offs_r, K,
+                                             stride_am, stride_ak, HAS_PERM, TWO_ACC, PACK)
+                if TWO_ACC:
+                    part += part_odd
+            else:
+                for j in tl.static_range(PACK):
+                    a = _plane_rows(a_ptr, perm_ptr, offs_m, m_mask, k0 + j * ROWS + offs_r, K,
+                                    stride_am, stride_ak, HAS_PERM)
                     part = _plane_step(a, qw, qw_hi, planes, z, part, exp23, j, BITS, IEEE, ZERO_IN_DOT, MAGIC)
-            if SUB and TWO_ACC:
-                part += part_odd
             acc += s[None, :] * part
         else:
             for j in tl.static_range(PACK):
