@@ -648,7 +648,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     """Kernel, block sizes and K split for one problem: a fixed table measured on an H200
     with `benchmarks/quant_decode.py --sweep` (no autotuning: the first request of a new
     batch size must not pay for a search)."""
-    if m >= DEQUANT_MIN_ROWS:
+    if m >= DEQUANT_MIN_ROWS:  # on Hopper, bf16: wgmma_w4a16 instead (wna16_matmul; wgmma=False: never)
         return dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS)
     # Splits finish in the same launch (_finish), but each one writes a float32 partial and
     # the last one adds them up, so a split must pay for that. From 2 rows on the weights
@@ -681,6 +681,18 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
                 two_acc=m <= 16, fold=m <= 16)
 
 
+def _wgmma_fits(x, qweight, scales, qzeros, k: int, group_size: int, bits: int) -> bool:
+    """Whether the Hopper kernel (wgmma_w4a16) takes this product: its scope, contiguous
+    rows of weights, and a Triton with Gluon."""
+    if not (x.is_cuda and qweight.stride(1) == 1 and scales.stride(1) == 1 and qzeros.stride(1) == 1):
+        return False
+    try:
+        from pagedllm.model_executor.layers.quantization import wgmma_w4a16
+    except ImportError:  # a Triton without Gluon
+        return False
+    return wgmma_w4a16.supports(x, k, group_size, bits)
+
+
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
                  perm: torch.Tensor | None, group_size: int, bits: int, zero_offset: int,
                  config: dict | None = None) -> torch.Tensor:
@@ -697,6 +709,11 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         return x.new_empty(0, n)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 8  # CPU: Triton's interpreter (tests)
     cfg = config or pick_config(m, n, k, group_size, bits, sms)
+    if cfg.get("dequant") and cfg.get("wgmma", True) and _wgmma_fits(x, qweight, scales, qzeros, k, group_size, bits):
+        from pagedllm.model_executor.layers.quantization import wgmma_w4a16
+
+        x = x.index_select(1, perm) if perm is not None else x  # act-order: rows sorted at load
+        return wgmma_w4a16.wgmma_w4a16(x, qweight, scales, qzeros, group_size, zero_offset, sms)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if cfg.get("dequant"):
         return _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_offset, out,
