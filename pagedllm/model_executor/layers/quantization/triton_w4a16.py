@@ -23,7 +23,9 @@ Three paths share the layout:
   plane removes the offset (`_magic_planes_asm`) and the scale multiplies each plane's
   product; else the values go through float32 (`_plane_values`).
 - `_dequant_chunk` + cuBLAS (many rows: large batches, prefill) dequantizes chunks of
-  columns into a scratch buffer and multiplies them with torch.mm.
+  columns into a scratch buffer and multiplies them with torch.mm. On Hopper, bf16, 4-bit
+  and groups of whole tiles take wgmma_w4a16 instead (Gluon: wgmma and TMA), which never
+  writes the 16-bit weights to memory.
 Small problems are split along K so that every SM has work; the split that finishes
 last adds the float32 partials (`_finish`) in the same launch, in a fixed order. The
 split counters are shared by the device's launches, which therefore must not overlap
