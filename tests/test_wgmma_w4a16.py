@@ -72,6 +72,30 @@ def test_every_split_gives_the_product(kernel, split):
     assert out.dtype == torch.bfloat16 and err < 1e-2, f"relative error {err:.2e}"
 
 
+def test_replays_in_a_cuda_graph_and_takes_unaligned_rows(kernel, calls):
+    """Captured in a CUDA graph (the engine's decode), the kernel reads the activations'
+    buffer at replay: new values give the eager product, bit for bit (K split included).
+    Rows that do not start 16 bytes apart (a column slice) are copied for TMA first."""
+    from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
+
+    t, gs = random_layer(4096, 1024, 128, 4, 1, False, seed=3)
+    tiled = tile_rows(t["qweight"], 4, tw.tile_k_for(4))
+    run = lambda x: tw.wna16_matmul(x, tiled, t["scales"], t["qzeros"], None, gs, 4, 1)  # noqa: E731
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    run(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run(x))
+    wide = torch.randn(256, 4100, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(run(wide[:, 3:4099]), run(wide[:, 3:4099].contiguous()))
+    assert all(shape[0] == 256 for shape in calls) and len(calls) == 5
+
+
 def test_out_of_scope_products_take_the_other_paths(calls):
     """fp16 activations, groups smaller than a tile and 8-bit weights keep the dequantize +
     cuBLAS path; below 128 rows the Triton kernels run."""

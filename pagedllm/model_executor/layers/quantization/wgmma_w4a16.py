@@ -205,7 +205,8 @@ def wgmma_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qz
     already in x's column order (act-order callers gather x first)."""
     m, k = x.shape
     n = qweight.shape[1]
-    x = x if x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+    if not (x.stride(1) == 1 and (x.stride(0) * 2) % 16 == 0 and x.data_ptr() % 16 == 0):
+        x = x.clone(memory_format=torch.contiguous_format)  # TMA: 16-byte aligned rows
     n_tiles = triton.cdiv(k, TILE_K)
     split = split or pick_split(m, n, k, num_sms)
     per = triton.cdiv(n_tiles, split)
