@@ -164,6 +164,9 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
                     out.append(cfg)
     if batch >= 16:
         out += [dict(gemv=False, planes=False, dequant=True, chunk_elements=SCRATCH_ELEMENTS // d) for d in (1, 2, 4)]
+    if batch <= 8:  # the Hopper kernel (mma_w4a16): columns a program, warps (K splits), row sums
+        out += [dict(mma=True, mma_config=(bn, w, rs)) for bn in (16, 32, 64) for w in (1, 2, 4, 8)
+                for rs in (False, True) if bn * w <= 256]
     return out
 
 
@@ -213,7 +216,7 @@ def sweep(args, quant: QuantConfig, dtype: torch.dtype) -> list[dict]:
             best_ms, best = min(results, key=lambda r: r[0])
             family = {}  # the best of each kernel (and of each way to the weights)
             for ms, c in results:
-                name_c = "dequant" if c.get("dequant") else "gemv" if c.get("gemv") else (
+                name_c = "mma" if c.get("mma") else "dequant" if c.get("dequant") else "gemv" if c.get("gemv") else (
                     ("planes-magic" + ("-fold" if c.get("fold") else "") + ("-two-acc" if c.get("two_acc") else ""))
                     if c.get("magic") else "planes-f32")
                 if name_c not in family or ms < family[name_c][0]:

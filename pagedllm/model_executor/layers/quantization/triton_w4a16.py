@@ -11,7 +11,10 @@ first concern (checked on the SASS of each kernel).
 
 Three paths share the layout:
 - `_wna16_gemv` (one row: batch-1 decode) multiplies element-wise into a float32
-  accumulator and reduces once at the end: no tensor cores, no operand shuffles.
+  accumulator and reduces once at the end: no tensor cores, no operand shuffles. On
+  Hopper, bf16, 4-bit and groups of whole 128-row tiles take mma_w4a16 instead (Gluon:
+  the packed words go straight into mma.sync's register operand, each warp a K split,
+  the splits added in the program), which issues about half the instructions a weight.
 - `_wna16_planes` (a few rows: small decode batches) loads each packed word once and feeds
   its values to `tl.dot`. With 4-bit values, 16-bit activations and the tile in one
   group, the values become 16-bit floats straight from the bits, MAGIC | q = MAGIC_F + q,
@@ -49,6 +52,7 @@ This module imports triton at the top: import it only when a CUDA tensor needs i
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import triton
@@ -680,19 +684,19 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     k_per_split = triton.cdiv(triton.cdiv(k, max(1, split)), tile_k) * tile_k
     return dict(gemv=m == 1, planes=m > 1, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                 split=triton.cdiv(k, k_per_split), k_per_split=k_per_split, zero_in_dot=True, magic=True,
-                two_acc=m <= 16, fold=m <= 16)
+                two_acc=m <= 16, fold=m <= 16, mma=m == 1)
 
 
-def _wgmma_fits(x, qweight, scales, qzeros, k: int, group_size: int, bits: int) -> bool:
-    """Whether the Hopper kernel (wgmma_w4a16) takes this product: its scope, contiguous
-    rows of weights, and a Triton with Gluon."""
+def _gluon_fits(module: str, x, qweight, scales, qzeros, k: int, group_size: int, bits: int) -> bool:
+    """Whether a Hopper kernel (wgmma_w4a16 or mma_w4a16) takes this product: its scope,
+    contiguous rows of weights, and a Triton with Gluon."""
     if not (x.is_cuda and qweight.stride(1) == 1 and scales.stride(1) == 1 and qzeros.stride(1) == 1):
         return False
     try:
-        from pagedllm.model_executor.layers.quantization import wgmma_w4a16
+        kernel = importlib.import_module(f"pagedllm.model_executor.layers.quantization.{module}")
     except ImportError:  # a Triton without Gluon
         return False
-    return wgmma_w4a16.supports(x, k, group_size, bits)
+    return kernel.supports(x, k, group_size, bits)
 
 
 def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
@@ -711,11 +715,18 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         return x.new_empty(0, n)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 8  # CPU: Triton's interpreter (tests)
     cfg = config or pick_config(m, n, k, group_size, bits, sms)
-    if cfg.get("dequant") and cfg.get("wgmma", True) and _wgmma_fits(x, qweight, scales, qzeros, k, group_size, bits):
-        from pagedllm.model_executor.layers.quantization import wgmma_w4a16
-
+    hopper = None  # on Hopper, bf16 and 4-bit: one row by mma_w4a16, 128 and more by wgmma_w4a16 (Gluon)
+    if cfg.get("mma") and _gluon_fits("mma_w4a16", x, qweight, scales, qzeros, k, group_size, bits):
+        hopper = "mma_w4a16"
+    elif cfg.get("dequant") and cfg.get("wgmma", True) and _gluon_fits("wgmma_w4a16", x, qweight, scales, qzeros,
+                                                                        k, group_size, bits):
+        hopper = "wgmma_w4a16"
+    if hopper:
+        kernel = importlib.import_module(f"pagedllm.model_executor.layers.quantization.{hopper}")
         x = x.index_select(1, perm) if perm is not None else x  # act-order: rows sorted at load
-        return wgmma_w4a16.wgmma_w4a16(x, qweight, scales, qzeros, group_size, zero_offset, sms)
+        if hopper == "mma_w4a16":
+            return kernel.mma_w4a16(x, qweight, scales, qzeros, group_size, zero_offset, sms, cfg.get("mma_config"))
+        return kernel.wgmma_w4a16(x, qweight, scales, qzeros, group_size, zero_offset, sms)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if cfg.get("dequant"):
         return _dequant_matmul(x, qweight, scales, qzeros, perm, group_size, bits, zero_offset, out,
