@@ -21,12 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm import pdl
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.pdl import launch_dependents, wait
 
 
 @triton.jit
 def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
+        tok = wait()
+        K += tok
+        V += tok
+        slots += tok
+        launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slots + t).to(tl.int64)
     if slot >= 0:
@@ -54,8 +62,20 @@ def _paged_attention_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
+        tok = wait()
+        Q += tok
+        KC += tok
+        VC += tok
+        block_tables += tok
+        q_starts += tok
+        q_lens += tok
+        ctx_lens += tok
+        tile_seq += tok
+        tile_q += tok
+        launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     if DIRECT:  # decode launch: tile i is sequence i, query 0
@@ -137,7 +157,8 @@ class TritonPagedAttention:
         t, h, d = k.shape
         row = h * d
         _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                               k_cache.stride(1), ROW=row, BLOCK=_pow2(row))
+                               k_cache.stride(1), ROW=row, BLOCK=_pow2(row), PDL=pdl.launch(k),
+                               **pdl.launch_kwargs(k))
 
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -155,7 +176,8 @@ class TritonPagedAttention:
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_bt=meta.block_tables.stride(0),
             GROUP=group, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=page,
-            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
+            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, PDL=pdl.launch(q),
+            **pdl.launch_kwargs(q),
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused

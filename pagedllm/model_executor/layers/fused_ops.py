@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -27,10 +29,16 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
+    from pagedllm.pdl import launch_dependents, wait
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, eps, N: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
+            tok = wait()
+            X += tok
+            R += tok
+            launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
@@ -58,7 +66,13 @@ if triton is not None:
     @triton.jit
     def _rotary_kernel(Q, K, positions, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_c, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tok = wait()
+            Q += tok
+            K += tok
+            positions += tok
+            launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions + t).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
@@ -69,7 +83,10 @@ if triton is not None:
         _rotate_heads(K, t, stride_kt, stride_kh, cos, sin, d, dm, HKV, HALF, BLOCK_HKV)
 
     @triton.jit
-    def _silu_mul_kernel(X, Y, stride_x, stride_y, N: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(X, Y, stride_x, stride_y, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            X += wait()
+            launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < N
@@ -88,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     r2 = residual.view(-1, n) if residual is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None,
+                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None, PDL=pdl.launch(x), **pdl.launch_kwargs(x),
                                      num_warps=4 if n <= 4096 else 8)
     return y.view(x.shape)
 
@@ -102,7 +119,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
     _rotary_kernel[(q.shape[0],)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
                                   k.stride(1), cos.stride(0), HQ=hq, HKV=hkv, HALF=half,
                                   BLOCK_HQ=_pow2(hq), BLOCK_HKV=_pow2(hkv), BLOCK_D=_pow2(half),
-                                  num_warps=4)
+                                  PDL=pdl.launch(q), num_warps=4, **pdl.launch_kwargs(q))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -112,5 +129,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     block = min(1024, _pow2(n))
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), N=n,
-                                                           BLOCK=block, num_warps=4)
+                                                           BLOCK=block, PDL=pdl.launch(x),
+                                                           num_warps=4, **pdl.launch_kwargs(x))
     return y.view(*x.shape[:-1], n)

@@ -25,6 +25,9 @@ Here, per warp and 128-row tile:
   memory, once a program) adds them in a fixed order. No float32 partials in global memory,
   no counters, no second pass.
 - The next tile's words and scales are loaded before this tile is dequantized.
+- Launched with PDL (pagedllm.pdl): placed while the kernel before it runs, it loads its
+  first two tiles' words and scales, then waits for that kernel before it reads the
+  activations.
 
 Scope: bf16 activations, 4-bit weights, groups a multiple of 128 rows (or one group), on
 sm_90 (the only card it was measured on). Everything else takes triton_w4a16's paths."""
@@ -39,10 +42,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from pagedllm import pdl
 from pagedllm.model_executor.layers.quantization.triton_w4a16 import (
     _MAGIC_ASM_BF16,
     _MAGIC_SUB_SCALED_BF16,
 )
+from pagedllm.pdl import LAUNCH_DEPENDENTS_ASM as _PDL_LAUNCH_DEPENDENTS_ASM
+from pagedllm.pdl import WAIT_ASM as _PDL_WAIT_ASM
 
 TILE_K = 128  # input rows per tile: 8 planes of 16
 _TILE_K = gl.constexpr(TILE_K)
@@ -112,7 +118,8 @@ def _x_plane(x_rows, k, m_mask, K, EVEN_K: gl.constexpr):
 def _mma_w4a16(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, M, N, K, n_tiles, tiles_per_split,
                stride_xm, stride_qk, stride_sg, stride_zg, stride_cm,
                ZERO_OFFSET: gl.constexpr, GROUP_TILES: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_M: gl.constexpr, EVEN_K: gl.constexpr, ROW_SUMS: gl.constexpr, num_warps: gl.constexpr):
+               BLOCK_M: gl.constexpr, EVEN_K: gl.constexpr, ROW_SUMS: gl.constexpr, PDL: gl.constexpr,
+               num_warps: gl.constexpr):
     """out[:, pid's BLOCK_N columns]; warp w adds up tiles w * tiles_per_split onwards.
 
     ROW_SUMS: the planes go to the tensor cores as MAGIC_F + q (a mask and a byte permute
@@ -146,6 +153,9 @@ def _mma_w4a16(x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, M, N, K, n_tiles, tiles_per_s
     s, zw = _tile_params(s_ptr, z_ptr, t_p, n_p, n_p < N, n_tiles, stride_sg, stride_zg, GROUP_TILES)
     cur = _tile_words(qw_ptr, t_first, na, ra, na_mask, n_tiles, stride_qk)
     nxt = _tile_words(qw_ptr, t_first + 1, na, ra, na_mask, n_tiles, stride_qk)
+    if PDL:  # the first words are asked for; the activations are the previous kernel's output
+        x_rows += gl.inline_asm_elementwise(_PDL_WAIT_ASM, "=r,r", [mb], dtype=gl.int32, is_pure=False, pack=1) * 64
+        gl.inline_asm_elementwise(_PDL_LAUNCH_DEPENDENTS_ASM, "=r,r", [mb], dtype=gl.int32, is_pure=False, pack=1)
     for j in range(tiles_per_split):
         far = _tile_words(qw_ptr, t_first + j + 2, na, ra, na_mask, n_tiles, stride_qk)
         s_next, zw_next = _tile_params(s_ptr, z_ptr, t_p + j + 1, n_p, n_p < N, n_tiles, stride_sg, stride_zg,
@@ -217,9 +227,11 @@ def mma_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzer
     per = triton.cdiv(n_tiles, warps)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     group_tiles = group_size // TILE_K if group_size < k else n_tiles
+    use_pdl = pdl.launch(x)
     _mma_w4a16[(triton.cdiv(n, block_n),)](
         x, qweight, scales, qzeros, out, m, n, k, n_tiles, per,
         x.stride(0), qweight.stride(0), scales.stride(0), qzeros.stride(0), out.stride(0),
         ZERO_OFFSET=zero_offset, GROUP_TILES=group_tiles, BLOCK_N=block_n, BLOCK_M=8,
-        EVEN_K=k % TILE_K == 0 and n_tiles % warps == 0, ROW_SUMS=row_sums, num_warps=warps)
+        EVEN_K=k % TILE_K == 0 and n_tiles % warps == 0, ROW_SUMS=row_sums, PDL=use_pdl, num_warps=warps,
+        **({"launch_pdl": True} if use_pdl else {}))
     return out

@@ -32,7 +32,8 @@ Three paths share the layout:
 Small problems are split along K so that every SM has work; the split that finishes
 last adds the float32 partials (`_finish`) in the same launch, in a fixed order. The
 split counters are shared by the device's launches, which therefore must not overlap
-(the engine runs its model on one stream).
+(the engine runs its model on one stream; these kernels let the next kernel be placed
+early, pagedllm.pdl, but are never launched early themselves).
 
 Layout: qweight is in the tiled layout of packing.tile_rows (K padded to a multiple of
 TILE_K = 16 * values-per-word; value j of each word of a tile is a "plane" of 16
@@ -57,6 +58,9 @@ import importlib
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm import pdl
+from pagedllm.pdl import launch_dependents as _pdl_launch_dependents
 
 
 @triton.jit
@@ -153,7 +157,7 @@ def _wna16_gemv(
     stride_am, stride_ak, stride_qk, stride_qn, stride_sg, stride_sn, stride_zg, stride_zn,
     stride_cm, stride_cn, stride_ps,
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr,
+    TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """One row (batch-1 decode): no tensor cores, so no operand shuffles through shared
     memory. Each plane of 16 rows is dequantized in registers and multiplied into a
@@ -172,6 +176,8 @@ def _wna16_gemv(
     offs_r = tl.arange(0, ROWS)
     n_mask = offs_n < N
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    if TRIGGER:  # the next kernel (a norm, rotary, SiLU) may be placed now (pagedllm.pdl)
+        _pdl_launch_dependents()
     # Loop bounds independent of program_id (Triton's CPU interpreter needs that); the
     # last split's tiles past K are masked out, scales and zeros included.
     for k_step in range(0, K_PER_SPLIT, TILE_K):
@@ -447,7 +453,7 @@ def _wna16_planes(
     GROUP: tl.constexpr, BITS: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_PERM: tl.constexpr, IEEE: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ZERO_IN_DOT: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr, TWO_ACC: tl.constexpr, FOLD: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Several rows (decode batches): each packed word is loaded once per program and each
     of its values ("planes": 16 consecutive input rows) goes to tensor cores as a small
@@ -486,6 +492,8 @@ def _wna16_planes(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # FOLD and TWO_ACC only
     k_first = pid_k * K_PER_SPLIT
+    if TRIGGER:  # the next kernel (a norm, rotary, SiLU) may be placed now (pagedllm.pdl)
+        _pdl_launch_dependents()
     if not FOLD:
         s_next = _group_scales(s_ptr, k_first // GROUP, offs_n, n_mask & (k_first < K), stride_sg, stride_sn)
     for k_step in tl.range(0, K_PER_SPLIT, TILE_K, num_stages=LOOP_STAGES):
@@ -745,7 +753,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
             out.stride(0), out.stride(1), m * n)
     common = dict(GROUP=group_size, BITS=bits, ZERO_OFFSET=zero_offset, HAS_PERM=perm is not None, BLOCK_N=cfg["BLOCK_N"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  TILE_IN_GROUP=group_size % tile_k == 0 or group_size >= k, SPLIT_K=split > 1)
+                  TILE_IN_GROUP=group_size % tile_k == 0 or group_size >= k, SPLIT_K=split > 1, TRIGGER=pdl.launch(x))
     if cfg["gemv"]:
         if m != 1:
             raise ValueError("the GEMV kernel takes one row")
