@@ -27,6 +27,23 @@ def on_hopper():
         pytest.skip("this Triton cannot launch with PDL (or PAGEDLLM_PDL=0)")
 
 
+def _check_replays(step, x: torch.Tensor, gen: torch.Generator, reference, what: str) -> None:
+    """Capture `step` in a CUDA graph, then three times: new random values into x, replay,
+    and compare the graph's output with reference() (float64)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, f"relative error {err:.2e}: {what}"
+
+
 def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.double()
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)) * w.double()
@@ -62,20 +79,12 @@ def test_linear_reads_this_replays_output_of_the_kernel_before(on_hopper, primar
         h = fused_ops.rms_norm(x, norm_w, 1e-5) if primary == "rms_norm" else fused_ops.silu_and_mul(x)
         return tw.wna16_matmul(h[-m:], tiled, t["scales"], t["qzeros"], perm, gs, 4, 1)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(3):
-        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
+    def reference() -> torch.Tensor:
         last = x[-m:]
         h = _rms_ref(last, norm_w, 1e-5) if primary == "rms_norm" else F.silu(last[:, :k].double()) * last[:, k:].double()
-        ref = h.to(torch.bfloat16).double() @ w.t()
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        assert err < 2e-2, f"relative error {err:.2e}: the linear read rows of another replay"
+        return h.to(torch.bfloat16).double() @ w.t()
+
+    _check_replays(step, x, gen, reference, "the linear read rows of another replay")
 
 
 @pytest.mark.parametrize(("m", "group_size"), [(1, 128), (16, 128), (4, 64)])
@@ -96,19 +105,11 @@ def test_kernel_after_a_linear_reads_this_replays_product(on_hopper, m, group_si
     def step() -> torch.Tensor:
         return fused_ops.silu_and_mul(tw.wna16_matmul(x, tiled, t["scales"], t["qzeros"], None, gs, 4, 1))
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for _ in range(3):
-        x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
+    def reference() -> torch.Tensor:
         y = x.double() @ w.t()
-        ref = F.silu(y[:, : n // 2]) * y[:, n // 2 :]
-        err = ((out.double() - ref).norm() / ref.norm()).item()
-        assert err < 2e-2, f"relative error {err:.2e}: SiLU-and-mul read another replay's product"
+        return F.silu(y[:, : n // 2]) * y[:, n // 2 :]
+
+    _check_replays(step, x, gen, reference, "SiLU-and-mul read another replay's product")
 
 
 def test_off_switch(monkeypatch):
