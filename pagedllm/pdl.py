@@ -60,9 +60,10 @@ def launch(x: torch.Tensor) -> bool:
             and _device_has_pdl(x.device.index or 0) and _triton_launches_pdl())
 
 
-def launch_kwargs(x: torch.Tensor) -> dict:
-    """Triton's launch option for a kernel that waits (see `launch`)."""
-    return {"launch_pdl": True} if launch(x) else {}
+def kernel_options(x: torch.Tensor) -> dict:
+    """A waiting kernel's launch arguments, from one `launch(x)`: its PDL constexpr and,
+    when true, Triton's launch option."""
+    return {"PDL": True, "launch_pdl": True} if launch(x) else {"PDL": False}
 
 
 if triton is not None:

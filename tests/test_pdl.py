@@ -120,4 +120,4 @@ def test_off_switch(monkeypatch):
     if torch.cuda.is_available():
         monkeypatch.setenv("PAGEDLLM_PDL", "0")
         assert not pdl.launch(torch.empty(1, device="cuda"))
-        assert pdl.launch_kwargs(torch.empty(1, device="cuda")) == {}
+        assert pdl.kernel_options(torch.empty(1, device="cuda")) == {"PDL": False}

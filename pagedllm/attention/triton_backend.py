@@ -157,8 +157,8 @@ class TritonPagedAttention:
         t, h, d = k.shape
         row = h * d
         _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                               k_cache.stride(1), ROW=row, BLOCK=_pow2(row), PDL=pdl.launch(k),
-                               **pdl.launch_kwargs(k))
+                               k_cache.stride(1), ROW=row, BLOCK=_pow2(row),
+                               **pdl.kernel_options(k))
 
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
@@ -176,8 +176,8 @@ class TritonPagedAttention:
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_bt=meta.block_tables.stride(0),
             GROUP=group, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=page,
-            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, PDL=pdl.launch(q),
-            **pdl.launch_kwargs(q),
+            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
+            **pdl.kernel_options(q),
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused

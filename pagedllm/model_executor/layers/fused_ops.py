@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     r2 = residual.view(-1, n) if residual is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None, PDL=pdl.launch(x), **pdl.launch_kwargs(x),
+                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None, **pdl.kernel_options(x),
                                      num_warps=4 if n <= 4096 else 8)
     return y.view(x.shape)
 
@@ -119,7 +119,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torc
     _rotary_kernel[(q.shape[0],)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
                                   k.stride(1), cos.stride(0), HQ=hq, HKV=hkv, HALF=half,
                                   BLOCK_HQ=_pow2(hq), BLOCK_HKV=_pow2(hkv), BLOCK_D=_pow2(half),
-                                  PDL=pdl.launch(q), num_warps=4, **pdl.launch_kwargs(q))
+                                  num_warps=4, **pdl.kernel_options(q))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +129,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     block = min(1024, _pow2(n))
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y, x2.stride(0), y.stride(0), N=n,
-                                                           BLOCK=block, PDL=pdl.launch(x),
-                                                           num_warps=4, **pdl.launch_kwargs(x))
+                                                           BLOCK=block, num_warps=4,
+                                                           **pdl.kernel_options(x))
     return y.view(*x.shape[:-1], n)

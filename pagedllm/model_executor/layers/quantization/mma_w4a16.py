@@ -227,11 +227,10 @@ def mma_w4a16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzer
     per = triton.cdiv(n_tiles, warps)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     group_tiles = group_size // TILE_K if group_size < k else n_tiles
-    use_pdl = pdl.launch(x)
     _mma_w4a16[(triton.cdiv(n, block_n),)](
         x, qweight, scales, qzeros, out, m, n, k, n_tiles, per,
         x.stride(0), qweight.stride(0), scales.stride(0), qzeros.stride(0), out.stride(0),
         ZERO_OFFSET=zero_offset, GROUP_TILES=group_tiles, BLOCK_N=block_n, BLOCK_M=8,
-        EVEN_K=k % TILE_K == 0 and n_tiles % warps == 0, ROW_SUMS=row_sums, PDL=use_pdl, num_warps=warps,
-        **({"launch_pdl": True} if use_pdl else {}))
+        EVEN_K=k % TILE_K == 0 and n_tiles % warps == 0, ROW_SUMS=row_sums, num_warps=warps,
+        **pdl.kernel_options(x))
     return out
