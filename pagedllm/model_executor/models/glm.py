@@ -3,9 +3,9 @@
 
 The math is ChatGLM's (models/zoo.py): interleaved-pair rotary on the first
 `partial_rotary_factor` of each head, GQA, bias on q/k/v but not on o_proj, silu(gate) * up.
-ModelShape switches these on by architecture name (llama.GLM_ARCHITECTURES), Glm4's two
-extra norms included. What is left here is the checkpoint's fused `mlp.gate_up_proj`
-([gate | up] rows), split so that the loader fills our gate/up shards as for any Llama.
+Their entries in models/architectures.py switch these on, Glm4's two extra norms
+included. What is left here is the checkpoint's fused `mlp.gate_up_proj` ([gate | up]
+rows), split so that the loader fills our gate/up shards as for any Llama.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, GLM), also
 serving the remote-code families of models/zoo.py (InternLM, Baichuan, Qwen v1, ChatGLM).
 
-They differ only in switches read from the config: bias on q/k/v (Qwen2, `qkv_bias`) or on
-every attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3), an
-explicit head_dim, tied embeddings, the rope scaling, interleaved-pair rotary on part of
-the head (ChatGLM and GLM, `rotary_interleaved`), extra norms after each sublayer (GLM-4-0414)
-and ALiBi instead of rotary (Baichuan-13B, `alibi`).
+They differ only in switches: what the architecture fixes comes from its entry in
+models/architectures.py (bias on q/k/v for Qwen2, per-head q/k RMSNorm for Qwen3,
+interleaved-pair rotary for GLM, extra norms after each sublayer for GLM-4-0414), what a
+checkpoint decides from its config (bias on every attention projection, Llama
+`attention_bias`; an explicit head_dim; tied embeddings; the rope scaling; partial rotary;
+ALiBi instead of rotary, Baichuan-13B `alibi`). ModelShape merges the two once.
 q/k/v and gate/up are fused into single matmuls; the loader fills the fused weights shard by
 shard. Under tensor parallelism (layers/parallel.py) every rank builds the same modules over
 its own heads and slices, and each layer cuts its part out of the full checkpoint tensors.
@@ -36,15 +37,15 @@ from pagedllm.model_executor.layers.parallel import (
 )
 from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
 from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
-
-# transformers' own GLM classes: ChatGLM's math (models/zoo.py) under Llama-style names
-GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+from pagedllm.model_executor.models.architectures import arch_spec
 
 
 class ModelShape:
-    """The numbers a decoder layer needs, read once from a transformers config."""
+    """The numbers and switches a decoder layer needs: the architecture's spec merged with
+    the checkpoint's config, once."""
 
     def __init__(self, config, architecture: str, quant: QuantConfig | None = None):
+        self.spec = spec = arch_spec(architecture)
         self.quant = quant  # None: float linear layers
         self.hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -55,16 +56,12 @@ class ModelShape:
         self.vocab = config.vocab_size
         self.num_layers = config.num_hidden_layers
         self.tie_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        # transformers' GLM: `attention_bias` biases q/k/v only, and GLM-4-0414 (Glm4) norms
-        # each sublayer's output again before the residual add.
-        is_glm = architecture in GLM_ARCHITECTURES
         attn_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_bias = is_qwen2 or attn_bias or bool(getattr(config, "qkv_bias", False))
-        self.o_bias = attn_bias and not (is_qwen2 or is_glm)
-        self.sandwich_norm = architecture == "Glm4ForCausalLM"
+        self.qkv_bias = spec.qkv_bias or attn_bias or bool(getattr(config, "qkv_bias", False))
+        self.o_bias = attn_bias and spec.attention_bias_on_o
+        self.sandwich_norm = spec.sandwich_norm
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.qk_norm = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        self.qk_norm = spec.qk_norm
         self.hidden_act = getattr(config, "hidden_act", "silu")
         if self.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {self.hidden_act!r}")
@@ -72,7 +69,7 @@ class ModelShape:
         rotary_pct = (getattr(config, "partial_rotary_factor", None)
                       or rope_parameters(config).get("partial_rotary_factor") or 1.0)
         self.rotary_dim = int(self.head_dim * rotary_pct)
-        self.rotary_interleaved = is_glm or bool(getattr(config, "rotary_interleaved", False))
+        self.rotary_interleaved = spec.rotary_interleaved or bool(getattr(config, "rotary_interleaved", False))
         self.alibi = bool(getattr(config, "alibi", False))
         self.layer_windows = sliding_windows(config)
         # Tensor parallelism: from here on num_heads / num_kv_heads / intermediate are this

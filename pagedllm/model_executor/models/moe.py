@@ -26,9 +26,10 @@ from torch import nn
 
 from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
 from pagedllm.model_executor.layers.parallel import read_block, shape_of
+from pagedllm.model_executor.models.architectures import ARCHITECTURES
 from pagedllm.model_executor.models.llama import MLP, LlamaForCausalLM, ModelShape
 
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = tuple(arch for arch, spec in ARCHITECTURES.items() if spec.moe is not None)
 
 # per-expert checkpoint tensors (what save_pretrained writes): Mixtral w1/w3/w2, Qwen names
 _EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -155,21 +156,18 @@ class MoeForCausalLM(LlamaForCausalLM):
                              "(float weights only)")
         super().__init__(config, architecture, max_positions, backend)
         s = self.shape
-        if architecture == "MixtralForCausalLM":
-            num_experts, inter, norm, shared = config.num_local_experts, config.intermediate_size, True, 0
-            sparse = set(range(s.num_layers))
-        else:
-            num_experts, inter = config.num_experts, config.moe_intermediate_size
-            norm = bool(getattr(config, "norm_topk_prob", False))
-            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-            step = getattr(config, "decoder_sparse_step", 1) or 1
-            dense_only = set(getattr(config, "mlp_only_layers", None) or [])
-            sparse = {i for i in range(s.num_layers)
-                      if i not in dense_only and num_experts > 0 and (i + 1) % step == 0}
+        moe = s.spec.moe
+        num_experts, inter = getattr(config, moe.num_experts_key), getattr(config, moe.intermediate_key)
+        norm = moe.renormalise if moe.renormalise is not None else bool(getattr(config, "norm_topk_prob", False))
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense_only = set(getattr(config, "mlp_only_layers", None) or [])
+        sparse = {i for i in range(s.num_layers)
+                  if i not in dense_only and num_experts > 0 and (i + 1) % step == 0}
         for i in sorted(sparse):
             self.model.layers[i].mlp = SparseMoeBlock(
                 s, num_experts, config.num_experts_per_tok, inter, norm,
-                weights_in_fp32=architecture == "MixtralForCausalLM", shared_intermediate=shared)
+                weights_in_fp32=moe.weights_in_fp32, shared_intermediate=shared)
 
     def _route_expert_tensors(self, weights: Iterable[tuple[str, torch.Tensor]],
                               blocks: dict[str, SparseMoeBlock]) -> Iterator[tuple[str, torch.Tensor]]:
