@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear  # noqa: E402
+from pagedllm.model_executor.layers.linear import LinearBase, ReplicatedLinear  # noqa: E402
+from pagedllm.model_executor.layers.quantization import QuantConfig  # noqa: E402
 
 HIDDEN, INTER, VOCAB = 4096, 11008, 32000
 # (name, in_features, out_features) of one Llama-2-7B decoder layer's fused linears
@@ -52,7 +53,7 @@ def _stack_one(k: int, n: int, quant: QuantConfig, dtype: torch.dtype, g: torch.
     torch.set_default_dtype(dtype)
     try:
         with torch.device("cuda"):
-            m = QuantizedLinear(k, {None: n}, False, quant)
+            m = ReplicatedLinear(k, n, False, quant)
     finally:
         torch.set_default_dtype(prev)
     m.fill_random(g)
@@ -61,7 +62,7 @@ def _stack_one(k: int, n: int, quant: QuantConfig, dtype: torch.dtype, g: torch.
 
 
 def _stack(kind: str, layers: int, quant: QuantConfig, dtype: torch.dtype, device: str):
-    """One linear module per (layer, name): nn.Linear in `dtype`, or QuantizedLinear."""
+    """One linear module per (layer, name): nn.Linear in `dtype`, or a packed linear layer."""
     g = torch.Generator().manual_seed(0)
     mods = []
     for _ in range(layers):
@@ -170,14 +171,15 @@ def _candidates(batch: int, n: int, k: int, sms: int) -> list[dict]:
     return out
 
 
-def _time_config(x, mods: list[QuantizedLinear], cfg: dict | None, ref: torch.Tensor) -> float | None:
+def _time_config(x, mods: list[LinearBase], cfg: dict | None, ref: torch.Tensor) -> float | None:
     """GPU time of one call: a CUDA graph of one call per copy of the layer (so the
     weights come from memory, not the 60 MB L2, and Python's launch cost is left out).
     The configuration must first reproduce `ref`, mods[0]'s float32 product with x."""
     from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
 
-    def call(m: QuantizedLinear) -> torch.Tensor:
-        return tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.group_size, 4, m.quant.zero_offset, cfg)
+    def call(m: LinearBase) -> torch.Tensor:
+        return tw.wna16_matmul(x, m.qweight, m.scales, m.qzeros, None, m.method.group_size, 4, m.quant.zero_offset,
+                               cfg)
 
     def run_all():
         for m in mods:

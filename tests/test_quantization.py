@@ -29,12 +29,14 @@ from quant_packers import (
 )
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase
 from pagedllm.model_executor.layers.quantization import (
     QuantConfig,
-    QuantizedLinear,
     detect_quant_config,
 )
 from pagedllm.model_executor.layers.quantization import packing as pk
+from pagedllm.model_executor.layers.quantization.gptq_awq import PackedMethod
+from pagedllm.model_executor.layers.weight_method import DenseMethod
 
 # Big enough for group sizes 32/64/128 to be real groups: hidden 128, MLP 256, head_dim 32.
 SHAPE = dict(hidden_size=128, intermediate_size=256)
@@ -82,8 +84,13 @@ def test_gptq_v1_symmetric_zeros_are_0x77777777():
 
 
 # ---------------------------------------------------------------------------- one layer
-def _load_layer(tensors: dict[str, np.ndarray], quant: QuantConfig, k: int, n: int) -> QuantizedLinear:
-    layer = QuantizedLinear(k, {None: n}, False, quant)
+def _quantized(m: torch.nn.Module) -> bool:
+    """A linear layer built for a quantized format (it may have become dense at load)."""
+    return isinstance(m, LinearBase) and m.quant is not None
+
+
+def _load_layer(tensors: dict[str, np.ndarray], quant: QuantConfig, k: int, n: int) -> ColumnParallelLinear:
+    layer = ColumnParallelLinear(k, n, False, quant)
     for name, v in tensors.items():
         layer.load_shard(name, None, torch.from_numpy(np.ascontiguousarray(v)))
     layer.finish_loading()
@@ -132,7 +139,7 @@ def test_fused_layer_takes_shards_side_by_side():
     perm = np.random.default_rng(4).permutation(64)  # one input: one act-order for all shards
     sizes = {"q": 64, "k": 32, "v": 16}
     quant = QuantConfig("gptq", 4, 32, "gptq")
-    layer = QuantizedLinear(64, sizes, False, quant)
+    layer = ColumnParallelLinear(64, sizes, False, quant)
     expected = []
     for i, (shard, size) in enumerate(sizes.items()):
         w = np.random.default_rng(10 + i).normal(size=(size, 64)).astype(np.float32)
@@ -146,7 +153,7 @@ def test_fused_layer_takes_shards_side_by_side():
 
 def test_fused_shards_with_different_act_order_are_refused():
     spec = GPTQSpec(4, 32, False, act_order=True)
-    layer = QuantizedLinear(64, {"gate": 32, "up": 32}, False, QuantConfig("gptq", 4, 32))
+    layer = ColumnParallelLinear(64, {"gate": 32, "up": 32}, False, QuantConfig("gptq", 4, 32))
     for i, shard in enumerate(("gate", "up")):
         w = np.random.default_rng(i).normal(size=(32, 64)).astype(np.float32)
         tensors, _ = quantize_gptq(w, spec, np.random.default_rng(20 + i).permutation(64))
@@ -157,7 +164,7 @@ def test_fused_shards_with_different_act_order_are_refused():
 
 
 def test_missing_tensor_is_reported():
-    layer = QuantizedLinear(64, {None: 32}, False, QuantConfig("gptq", 4, 32))
+    layer = ColumnParallelLinear(64, 32, False, QuantConfig("gptq", 4, 32))
     tensors, _ = quantize_gptq(np.ones((32, 64), np.float32), GPTQSpec(4, 32))
     layer.load_shard("qweight", None, torch.from_numpy(tensors["qweight"]))
     with pytest.raises(ValueError, match="qzeros"):
@@ -186,12 +193,13 @@ def test_quantized_model_matches_hf(float_model, tmp_path, spec):
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
     assert_parity(llm, ref, prompts(3, seed=7))
     model = llm.engine.runner.model
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert isinstance(model.lm_head, QuantizedLinear) == (isinstance(spec, GPTQSpec) and spec.lm_head)
-    assert len(layers) == 2 * 4 + (1 if isinstance(model.lm_head, QuantizedLinear) else 0)
-    if isinstance(spec, AWQSpec) and spec.not_converted:
-        down = [m for m in layers if m.in_features == 256]
-        assert down and all(m.weight is not None and m.qweight is None for m in down)  # kept float
+    layers = [m for m in model.modules() if _quantized(m)]
+    assert _quantized(model.lm_head) == (isinstance(spec, GPTQSpec) and spec.lm_head)
+    assert len(layers) == 2 * 4 + (1 if _quantized(model.lm_head) else 0)
+    down = [m for m in layers if m.in_features == 256] if isinstance(spec, AWQSpec) and spec.not_converted else []
+    if down:  # kept float: the layer became dense
+        assert all(m.weight is not None and m.qweight is None and isinstance(m.method, DenseMethod) for m in down)
+    assert all(isinstance(m.method, PackedMethod) and m.qweight is not None for m in layers if m not in down)
 
 
 def test_quantized_outputs_differ_from_the_float_model(float_model, tmp_path):
@@ -217,10 +225,10 @@ def test_weight_memory_counts_packed_tensors(float_model, tmp_path):
     q = LLM(model=str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=16)
     f = LLM(model=float_path, skip_tokenizer_init=True, num_kv_blocks=16)
     model = q.engine.runner.model
-    packed = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, QuantizedLinear)
+    packed = sum(p.numel() * p.element_size() for m in model.modules() if _quantized(m)
                  for p in m.parameters())
     linear_float = sum(m.weight.numel() * 4 for m in f.engine.runner.model.modules()
-                       if isinstance(m, torch.nn.Linear) and m is not f.engine.runner.model.lm_head)
+                       if isinstance(m, LinearBase) and m is not f.engine.runner.model.lm_head)
     # int32 words + fp16 scales + packed zeros + int32 act-order permutation, no float copy
     assert packed < linear_float / 4
     float_rest = f.engine.runner.weight_bytes - linear_float
@@ -287,8 +295,8 @@ def test_dummy_weights_with_quantization(tmp_path, method):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(tmp_path), load_format="dummy", quantization=method, skip_tokenizer_init=True,
               num_kv_blocks=32)
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 8
+    layers = [m for m in llm.engine.runner.model.modules() if _quantized(m)]
+    assert len(layers) == 8 and all(isinstance(m.method, PackedMethod) for m in layers)
     w = layers[0].dequantized_weight()
     assert 0.01 < w.std().item() < 0.04 and abs(w.mean().item()) < 0.005
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -6,8 +6,8 @@ Hugging Face transformers holding the file's dequantized weights.
 cannot quantize K-quants, so those files hold random but valid K-quant blocks (random bit
 fields, sane fp16 super-block scales), which exercises the same load path.
 
-Q4_0 and Q8_0 files can also stay packed (GPTQ v2 layout, used on CUDA); the tests force
-that path on CPU and compare it with dequantize-at-load.
+Q4_0 and Q8_0 files can also stay packed (the GGUF-packed weight method, used on CUDA); the
+tests force that path on CPU and compare it with dequantize-at-load.
 """
 
 from __future__ import annotations
@@ -66,23 +66,24 @@ def _greedy(llm, prompt_ids: list[list[int]]) -> list[tuple[list[int], list[floa
 
 
 def test_gguf_pack_only_on_cuda_by_default(hf_llama, tmp_path, monkeypatch):
-    """CPU keeps dequantize-at-load unless forced; CUDA packs Q4_0 as gptq_v2 groups of 32."""
+    """CPU keeps dequantize-at-load unless forced; CUDA keeps Q4_0 packed in blocks of 32."""
     from pagedllm.model_executor.layers.quantization import QuantConfig
     from pagedllm.model_executor.loader import gguf_file
 
     path = str(tmp_path / "tiny-Q4_0.gguf")
     write_gguf(hf_llama, path, "Q4_0")
     assert gguf_file.gguf_quant_config(path, torch.device("cpu")) is None
-    assert gguf_file.gguf_quant_config(path, torch.device("cuda")) == QuantConfig("gptq", 4, 32, "gptq_v2")
+    assert gguf_file.gguf_quant_config(path, torch.device("cuda")) == QuantConfig("gguf", 4, 32, "q4_0")
     monkeypatch.setattr(gguf_file, "PACK_ON_CPU", True)
-    assert gguf_file.gguf_quant_config(path, torch.device("cpu")) == QuantConfig("gptq", 4, 32, "gptq_v2")
+    assert gguf_file.gguf_quant_config(path, torch.device("cpu")) == QuantConfig("gguf", 4, 32, "q4_0")
 
 
 @pytest.mark.parametrize("qtype,bits", [("Q4_0", 4), ("Q8_0", 8)])
 def test_gguf_packed_matches_dequantized(hf_llama, tmp_path, monkeypatch, qtype, bits):
     """Forced onto CPU, the packed path holds int32 words that dequantize bit for bit to the
     float path's weights (q/k un-permuted, GQA k included) and generates the same."""
-    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+    from pagedllm.model_executor.layers.linear import LinearBase
+    from pagedllm.model_executor.layers.quantization.gguf import GGUFPackedMethod
     from pagedllm.model_executor.loader import gguf_file
 
     path = str(tmp_path / f"tiny-{qtype}.gguf")
@@ -95,11 +96,12 @@ def test_gguf_packed_matches_dequantized(hf_llama, tmp_path, monkeypatch, qtype,
     layers = _linear_layers(pm)
     assert len(layers) == 4 * hf_llama.config.num_hidden_layers
     for name, m in layers.items():
-        assert isinstance(m, QuantizedLinear) and m.quant.bits == bits and m.quant.group_size == 32
+        assert isinstance(m.method, GGUFPackedMethod) and m.quant.bits == bits and m.quant.group_size == 32
         assert m.qweight.dtype == torch.int32 and m.weight is None
         assert torch.equal(m.dequantized_weight(torch.float32), _linear_layers(fm)[name].weight), name
     # Embeddings and the output head stay float.
-    assert not any(isinstance(m, QuantizedLinear) for n, m in pm.named_modules() if n not in layers)
+    assert not any(isinstance(m, LinearBase) and m.quant is not None for n, m in pm.named_modules()
+                   if n not in layers)
     assert packed.engine.runner.weight_bytes < floats.engine.runner.weight_bytes
     prompt_ids = prompts(2, seed=7)
     for (ft, flp), (pt, plp) in zip(_greedy(floats, prompt_ids), _greedy(packed, prompt_ids), strict=True):
@@ -110,7 +112,7 @@ def test_gguf_packed_matches_dequantized(hf_llama, tmp_path, monkeypatch, qtype,
 def test_gguf_mixed_linear_types_fall_back(hf_llama, tmp_path, monkeypatch):
     """A Q4_0 file with one Q8_0 linear layer cannot share one packed layout: it loads
     dequantized, correctly, with no error."""
-    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+    from pagedllm.model_executor.layers.linear import LinearBase
     from pagedllm.model_executor.loader import gguf_file
 
     q8 = gguf.GGMLQuantizationType.Q8_0
@@ -128,7 +130,7 @@ def test_gguf_mixed_linear_types_fall_back(hf_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_file, "PACK_ON_CPU", True)
     assert gguf_file.gguf_quant_config(path, torch.device("cpu")) is None
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
-    assert not any(isinstance(m, QuantizedLinear) for m in llm.engine.runner.model.modules())
+    assert not any(isinstance(m, LinearBase) and m.quant is not None for m in llm.engine.runner.model.modules())
     state = dict(gguf_file.gguf_weights(path, gguf_file.gguf_config(path)))
     assert_parity(llm, reference_model(hf_llama, state), prompts(2, seed=9), max_new=6)
 
@@ -138,7 +140,7 @@ def test_gguf_mixed_linear_types_fall_back(hf_llama, tmp_path, monkeypatch):
 def test_gguf_packed_on_cuda_by_default(hf_llama, tmp_path, qtype, bits):
     """On CUDA a Q4_0 / Q8_0 file stays packed and runs through the Triton kernel (CUDA
     graphs and async scheduling included); it generates what the CPU float path does."""
-    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+    from pagedllm.model_executor.layers.quantization.gguf import GGUFPackedMethod
 
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     write_gguf(hf_llama, path, qtype)
@@ -146,8 +148,40 @@ def test_gguf_packed_on_cuda_by_default(hf_llama, tmp_path, qtype, bits):
     cpu = LLM(model=path, device="cpu", **kw)
     gpu = LLM(model=path, device="cuda", **kw)
     layers = _linear_layers(gpu.engine.runner.model)
-    assert all(isinstance(m, QuantizedLinear) and m.quant.bits == bits and m.tile_k for m in layers.values())
+    assert all(isinstance(m.method, GGUFPackedMethod) and m.quant.bits == bits and m.method.tile_k
+               for m in layers.values())
     prompt_ids = prompts(3, seed=9)
     for (ct, clp), (gt, glp) in zip(_greedy(cpu, prompt_ids), _greedy(gpu, prompt_ids), strict=True):
         assert gt == ct
         assert glp == pytest.approx(clp, abs=1e-3)
+
+
+@pytest.mark.parametrize("qtype,bits", [("Q4_0", 4), ("Q8_0", 8)])
+def test_gguf_packed_layer_shards_are_slices_of_the_full_layer(monkeypatch, qtype, bits):
+    """Under tensor parallelism a GGUF-packed layer cuts its rank's rows (column-parallel)
+    or whole blocks of its input slice (row-parallel) out of the file's raw blocks, and
+    dequantizes to exactly that slice of the file's weight."""
+    import numpy as np
+
+    from pagedllm.distributed import parallel_state
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pagedllm.model_executor.layers.quantization import QuantConfig
+
+    k, n = 256, 64
+    w = np.random.default_rng(0).normal(size=(n, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    blocks = torch.from_numpy(gguf.quants.quantize(w, t))  # uint8 [n, bytes per row]
+    full = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), t))
+    quant = QuantConfig("gguf", bits, 32, qtype.lower())
+    for rank in range(2):
+        monkeypatch.setattr(parallel_state, "_state", parallel_state._State(rank, 2))
+        col = ColumnParallelLinear(k, n, False, quant)
+        row = RowParallelLinear(k, n, False, quant)
+        for layer in (col, row):
+            layer.load_shard("weight", None, blocks)
+            layer.finish_loading()
+        assert torch.equal(col.dequantized_weight(torch.float32), full[rank * n // 2:(rank + 1) * n // 2])
+        assert torch.equal(row.dequantized_weight(torch.float32), full[:, rank * k // 2:(rank + 1) * k // 2])
+        assert row.qweight.shape == (k // 2 * bits // 32, n) and row.scales.shape == (k // 2 // 32, n)
+    with pytest.raises(ValueError, match="has no place"):
+        col.load_shard("qweight", None, blocks)

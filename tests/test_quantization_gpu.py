@@ -60,8 +60,9 @@ def test_quantized_layer_stays_packed_on_cuda(tiny_models, tmp_path):
     from quant_packers import GPTQSpec, reference_model, write_quantized_checkpoint
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+    from pagedllm.model_executor.layers.linear import LinearBase
     from pagedllm.model_executor.layers.quantization import triton_w4a16 as tw
+    from pagedllm.model_executor.layers.quantization.gptq_awq import PackedMethod
 
     hf = save_tiny_model(str(tmp_path / "float"), "llama", hidden_size=128, intermediate_size=256)
     spec = GPTQSpec(group_size=32, sym=False, act_order=True)
@@ -83,9 +84,9 @@ def test_quantized_layer_stays_packed_on_cuda(tiny_models, tmp_path):
     finally:
         tw.wna16_matmul = real
     assert calls, "the Triton kernel was not used"
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(m._dequantized is None and m.qweight.dtype == torch.int32 and m.tile_k
-                          for m in layers)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+    assert layers and all(isinstance(m.method, PackedMethod) and m.method._dequantized is None
+                          and m.qweight.dtype == torch.int32 and m.method.tile_k for m in layers)
     for p, o in zip(prompts, outs, strict=True):
         ids = torch.tensor([p], device="cuda")
         with torch.no_grad():

@@ -19,12 +19,8 @@ def _layers_rank(rank: int, world: int, init_file: str) -> None:
     import torch.nn.functional as F
 
     from pagedllm.distributed import destroy_distributed, init_distributed
-    from pagedllm.model_executor.layers.parallel import (
-        ColumnParallelLinear,
-        ParallelLMHead,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pagedllm.model_executor.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 
     torch.set_num_threads(1)
     init_distributed(rank, world, f"file://{init_file}", torch.device("cpu"))
@@ -67,7 +63,7 @@ def test_parallel_layers_equal_full_layers():
 
 
 def test_head_partition_replicates_kv_heads():
-    from pagedllm.model_executor.layers.parallel import head_partition
+    from pagedllm.model_executor.layers.sharding import head_partition
 
     assert [head_partition(8, r, 4, "h") for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
     assert [head_partition(2, r, 4, "h", replicate=True) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
@@ -428,15 +424,15 @@ def _quant_layer_specs():
 def test_packed_layer_shards_are_slices_of_the_full_layer(monkeypatch, spec):
     """Column-parallel ranks hold their output features, row-parallel ranks their input
     features (act-order rows keep their group index into the whole table)."""
-    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     k, n = 256, 64
     tensors, deq = _quantized(spec, k, n)
     act_order = getattr(spec, "act_order", False) and spec.group_size != -1
     for rank in range(2):
         _as_rank(monkeypatch, rank)
-        col = QuantizedLinear(k, {None: n}, False, _quant_config(spec))
-        row = QuantizedLinear(k, {None: n}, False, _quant_config(spec), row_parallel=True)
+        col = ColumnParallelLinear(k, n, False, _quant_config(spec))
+        row = RowParallelLinear(k, n, False, _quant_config(spec))
         for layer in (col, row):
             for name, t in tensors.items():
                 layer.load_shard(name, None, t)
@@ -452,12 +448,12 @@ def test_act_order_config_with_groups_in_order_keeps_only_the_ranks_groups(monke
     cuts the group table to its own groups and keeps the kernel's layout."""
     from quant_packers import GPTQSpec
 
-    from pagedllm.model_executor.layers.quantization import QuantizedLinear
+    from pagedllm.model_executor.layers.linear import RowParallelLinear
 
     spec = GPTQSpec(4, 32, sym=False)
     tensors, deq = _quantized(spec, 256, 64)
     _as_rank(monkeypatch, 1)
-    layer = QuantizedLinear(256, {None: 64}, False, _quant_config(spec, desc_act=True), row_parallel=True)
+    layer = RowParallelLinear(256, 64, False, _quant_config(spec, desc_act=True))
     for name, t in tensors.items():
         layer.load_shard(name, None, t)
     layer.finish_loading()
@@ -468,16 +464,17 @@ def test_act_order_config_with_groups_in_order_keeps_only_the_ranks_groups(monke
 def test_packed_layouts_that_cannot_be_split_fail_clearly(monkeypatch):
     from quant_packers import GPTQSpec
 
-    from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
+    from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pagedllm.model_executor.layers.quantization import QuantConfig
 
     _as_rank(monkeypatch, 0)
     with pytest.raises(ValueError, match="whole groups"):  # 64 inputs a rank, groups of 128
-        QuantizedLinear(128, {None: 64}, False, QuantConfig("gptq", 4, 128), row_parallel=True)
+        RowParallelLinear(128, 64, False, QuantConfig("gptq", 4, 128))
     with pytest.raises(ValueError, match="divisible by 8 on each of 2 ranks"):
-        QuantizedLinear(64, {None: 40}, False, QuantConfig("awq", 4, 32, "awq"))
+        ColumnParallelLinear(64, 40, False, QuantConfig("awq", 4, 32, "awq"))
     spec = GPTQSpec(4, 32, act_order=True)  # act-order g_idx, but the config says desc_act=false
     tensors, _ = _quantized(spec, 256, 64)
-    layer = QuantizedLinear(256, {None: 64}, False, _quant_config(spec, desc_act=False), row_parallel=True)
+    layer = RowParallelLinear(256, 64, False, _quant_config(spec, desc_act=False))
     for name, t in tensors.items():
         layer.load_shard(name, None, t)
     with pytest.raises(ValueError, match="desc_act"):

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.config import parse_bytes
 from pagedllm.memory import blocks_for_bytes, cpu_num_blocks, kv_bytes_per_token
+from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.parallel import ParallelLMHead
 from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
 from pagedllm.model_executor.models import resolve_architecture
@@ -45,7 +46,7 @@ def count_parameters(hf_config) -> tuple[int, int]:
     with torch.device("meta"):
         model = cls(hf_config, arch, 1, None)
     linear = sum(m.weight.numel() for m in model.modules()
-                 if isinstance(m, torch.nn.Linear | ParallelLMHead) and m.weight is not getattr(
+                 if isinstance(m, LinearBase | ParallelLMHead) and m.weight is not getattr(
                      model.model.embed_tokens, "weight", None))
     total = sum(p.numel() for p in model.parameters())
     return linear, total - linear

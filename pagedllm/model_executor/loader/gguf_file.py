@@ -2,8 +2,9 @@
 
 Weights are dequantized to float at load with the `gguf` package's own dequantizers, except
 where a packed kernel exists: Q4_0 and Q8_0 blocks are exactly GPTQ groups of 32 (one fp16
-scale, a constant zero point), so on CUDA the decoder's linear layers are handed to
-QuantizedLinear as gptq_v2 tensors and stay 4 (or 8) bits in memory (gguf_quant_config).
+scale, a constant zero point), so on CUDA the decoder's linear layers get the GGUF-packed
+weight method (layers/quantization/gguf.py), are handed the file's raw blocks and stay 4
+(or 8) bits in memory (gguf_quant_config).
 llama.cpp's converter permutes the rows of the Llama q/k projections (to interleaved rope
 pairs); we undo that so the tensors match the Hugging Face layout our model uses.
 """
@@ -19,6 +20,7 @@ import torch
 
 from pagedllm.distributed import get_tp_world_size
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
+from pagedllm.model_executor.layers.quantization.gguf import PACKABLE_TYPES
 
 # GGUF architecture -> (HF architecture, q/k rows permuted by the converter)
 _ARCHS = {
@@ -44,8 +46,6 @@ _LAYER_NAMES = {
 # The decoder's linear layers: the only tensors that may be kept packed (embeddings, norms
 # and the output head stay float, as for GPTQ checkpoints).
 _LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-# GGUF types whose blocks are exactly GPTQ groups of 32 -> bits of the packed values.
-_PACKABLE = {"Q4_0": 4, "Q8_0": 8}
 # Pack on CPU too. Off by default: CPU layers keep a dequantized copy next to the packed
 # words, so packing there only adds memory; tests turn it on to check the packed path.
 PACK_ON_CPU = False
@@ -143,15 +143,15 @@ def gguf_quant_config(path: str, device: torch.device) -> QuantConfig | None:
     reader = _reader(path)
     linear = [t for t in reader.tensors if _is_linear_weight(t.name)]
     types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in linear}
-    if len(types) != 1 or (bits := _PACKABLE.get(types.pop())) is None:
+    if len(types) != 1 or (bits := PACKABLE_TYPES.get(qtype := types.pop())) is None:
         return None
     pack = 32 // bits
     world = get_tp_world_size()
 
     def fits(t) -> bool:
-        """QuantizedLinear packs `pack` output features per zeros word and splits row-parallel
-        inputs by whole groups of 32, per tensor-parallel rank; a file whose layers it
-        cannot hold stays on the float path rather than failing to load. (k/v may be
+        """The packed method packs `pack` output features per zeros word and splits
+        row-parallel inputs by whole blocks of 32, per tensor-parallel rank; a file whose
+        layers it cannot hold stays on the float path rather than failing to load. (k/v may be
         replicated over ranks, so only their whole size is checked.)"""
         n_in, n_out = int(t.shape[0]), int(t.shape[1])  # ggml order: shape[0] is the input
         per_rank_out = n_out if t.name.split(".")[2] in ("attn_k", "attn_v") else n_out // world
@@ -159,43 +159,13 @@ def gguf_quant_config(path: str, device: torch.device) -> QuantConfig | None:
 
     if not all(fits(t) for t in linear):
         return None
-    return QuantConfig("gptq", bits, 32, "gptq_v2")
-
-
-def _packed(blocks: np.ndarray, bits: int) -> dict[str, torch.Tensor]:
-    """Q4_0 / Q8_0 blocks [out, bytes per row] -> GPTQ v2 `qweight` [in * bits / 32, out],
-    `scales` [in / 32, out] and `qzeros` [in / 32, out * bits / 32], exactly.
-
-    Q4_0: value j of a block is the low nibble of byte j (j < 16) or the high nibble of
-    byte j - 16, x = d * (nib - 8): the nibble is the GPTQ value and 8 the zero point.
-    Q8_0: x = d * q with int8 q: the value is q + 128 and 128 the zero point. d (fp16) is the
-    scale as it is, so w = (value - zero) * scale reproduces the dequantized float bit for bit.
-    """
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, 18 if bits == 4 else 34)  # [out, groups, block bytes]
-    scales = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0]  # [out, groups]
-    if bits == 4:
-        qs = b[..., 2:]
-        vals = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [out, groups, 32], in order
-    else:
-        vals = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    pack = 32 // bits
-    shifts = (np.arange(pack, dtype=np.uint32) * bits).astype(np.uint32)
-    words = (vals.reshape(n, -1, pack).astype(np.uint32) << shifts).sum(-1, dtype=np.uint32)  # [out, in/pack]
-    zero = 1 << (bits - 1)
-    zero_word = np.array(sum(zero << (bits * j) for j in range(pack)), dtype=np.uint32).view(np.int32)
-    qzeros = np.full((scales.shape[1], n // pack), zero_word, dtype=np.int32)
-    return {
-        "qweight": torch.from_numpy(np.ascontiguousarray(words.T).view(np.int32)),
-        "scales": torch.from_numpy(np.ascontiguousarray(scales.T)),
-        "qzeros": torch.from_numpy(qzeros),
-    }
+    return QuantConfig("gguf", bits, 32, qtype.lower())
 
 
 def gguf_weights(path: str, config, quant: QuantConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF tensor name, tensor) for every tensor in the file: float32, or with `quant`
-    (from gguf_quant_config) the decoder's linear weights as packed GPTQ v2 tensors
-    (`<module>.qweight` / `.scales` / `.qzeros`)."""
+    (from gguf_quant_config) the decoder's linear weights as the file's raw blocks (uint8
+    [out, bytes per row]), which their GGUF-packed layers unpack."""
     import gguf
 
     reader = _reader(path)
@@ -214,19 +184,16 @@ def gguf_weights(path: str, config, quant: QuantConfig | None = None) -> Iterato
                 continue  # recomputed from the config
             name = f"{_GLOBAL_NAMES[base]}.{suffix}"
         # llama.cpp's converter permuted the q/k rows (output features); undone on the
-        # float rows, or on the whole block rows (= columns of qweight and scales) when
-        # kept packed, whose zero points are one constant and need no reordering.
+        # float rows, or on the whole block rows when kept packed (a row's blocks hold its
+        # scales, and the zero point is one constant).
         heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(base)
         if quant is not None and _is_linear_weight(t.name):
             qtype = gguf.GGMLQuantizationType(t.tensor_type).name
-            if _PACKABLE.get(qtype) != quant.bits:
-                raise ValueError(f"GGUF tensor {t.name!r} is {qtype}, not {quant.bits}-bit packable")
-            blocks = _unpermute(t.data, heads) if permuted and heads else t.data
-            module = name.rpartition(".")[0]
-            for part, tensor in _packed(blocks, quant.bits).items():
-                yield f"{module}.{part}", tensor
-            continue
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            if qtype.lower() != quant.checkpoint_format:
+                raise ValueError(f"GGUF tensor {t.name!r} is {qtype}, not {quant.checkpoint_format.upper()}")
+            data = t.data
+        else:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if permuted and heads:
             data = _unpermute(data, heads)
         data = np.ascontiguousarray(data)

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.model_executor.layers.quantization import QuantizedLinear, resolve_quant_config
+from pagedllm.model_executor.layers.linear import LinearBase
+from pagedllm.model_executor.layers.quantization import resolve_quant_config
 from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_quant_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
 from pagedllm.model_executor.models.zoo import zoo_architecture, zoo_config
@@ -84,7 +85,7 @@ def load_hf_config(source: ModelSource):
 def _hf_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) pairs. With `lazy`, safetensors entries come as lazy
     slices (`safe_open(...).get_slice`): each layer reads only the block its rank keeps
-    (parallel.read_block), so under tensor parallelism no rank reads a whole sharded
+    (sharding.read_block), so under tensor parallelism no rank reads a whole sharded
     tensor. A slice is only valid until the next pair is drawn (its file may close).
     .bin/.pt files are memory-mapped, which defers the reads in the same way."""
     if source.load_format == "safetensors":
@@ -103,27 +104,30 @@ def _hf_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str, 
 
 def _dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights with sane activations: matrices ~N(0, 0.02), norms 1, biases 0.
-    Quantized layers get random packed words that dequantize to the same spread."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dev_gen: torch.Generator | None = None
-    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    Linear layers fill themselves through their weight method (packed ones with random
+    words that dequantize to the same spread)."""
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        # Drawn on the parameter's device: a 7B model's worth of CPU randn takes a minute.
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return generators[device]
+
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
     with torch.no_grad():
-        for name, m in model.named_modules():
-            if name in quantized:
-                m.fill_random(g)
-                m.finish_loading()
+        for m in linear.values():
+            m.fill_random(generator(next(m.parameters()).device))
+            m.finish_loading()
         for name, p in model.named_parameters():
-            if name.rpartition(".")[0] in quantized:
+            if name.rpartition(".")[0] in linear:
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif p.dim() == 1:
                 p.zero_()
             else:
-                # Drawn on the parameter's device: a 7B model's worth of CPU randn takes a minute.
-                if dev_gen is None or dev_gen.device != p.device:
-                    dev_gen = torch.Generator(device=p.device).manual_seed(seed)
-                p.normal_(0.0, 0.02, generator=dev_gen)
+                p.normal_(0.0, 0.02, generator=generator(p.device))
 
 
 def load_model(source: ModelSource, hf_config, max_positions: int, backend, device: torch.device,

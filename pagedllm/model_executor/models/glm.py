@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pagedllm.model_executor.layers.parallel import shape_of
+from pagedllm.model_executor.layers.sharding import shape_of
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 
 _GATE_UP = re.compile(r"(.+\.mlp)\.gate_up_proj\.(weight|bias)$")

@@ -8,8 +8,10 @@ checkpoint decides from its config (bias on every attention projection, Llama
 `attention_bias`; an explicit head_dim; tied embeddings; the rope scaling; partial rotary;
 ALiBi instead of rotary, Baichuan-13B `alibi`). ModelShape merges the two once.
 q/k/v and gate/up are fused into single matmuls; the loader fills the fused weights shard by
-shard. Under tensor parallelism (layers/parallel.py) every rank builds the same modules over
-its own heads and slices, and each layer cuts its part out of the full checkpoint tensors.
+shard. Every linear layer is one family (layers/linear.py): its parallel style is chosen
+here, its storage (float, GPTQ/AWQ, GGUF-packed) by the checkpoint's QuantConfig. Under
+tensor parallelism every rank builds the same modules over its own heads and slices, and
+each layer cuts its part out of the full checkpoint tensors.
 
 The model sees one flat batch of tokens and an attention-metadata object; it knows nothing
 of requests, blocks or the scheduler.
@@ -24,19 +26,21 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata
 from pagedllm.distributed import get_tp_rank, get_tp_world_size
 from pagedllm.model_executor.layers import fused_ops
+from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.norm import RMSNorm
 from pagedllm.model_executor.layers.parallel import (
-    ColumnParallelLinear,
     ParallelLMHead,
-    RowParallelLinear,
     VocabParallelEmbedding,
     gather_logits,
+)
+from pagedllm.model_executor.layers.quantization import QuantConfig
+from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.model_executor.layers.sharding import (
+    ShardedWeights,
     head_partition,
     read_block,
     shape_of,
 )
-from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
-from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.model_executor.models.architectures import arch_spec
 
 
@@ -46,7 +50,7 @@ class ModelShape:
 
     def __init__(self, config, architecture: str, quant: QuantConfig | None = None):
         self.spec = spec = arch_spec(architecture)
-        self.quant = quant  # None: float linear layers
+        self.quant = quant  # the linear layers' storage format; None: float
         self.hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -98,21 +102,6 @@ def sliding_windows(config) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in kinds]
 
 
-def make_linear(in_features: int, out: int | dict[str, int], bias: bool,
-                quant: QuantConfig | None, row_parallel: bool = False) -> nn.Module:
-    """A float layer, or the packed GPTQ/AWQ layer when the checkpoint is quantized; `out`
-    as a dict builds a fused layer from those shards. Sizes are the checkpoint's: layers
-    split themselves over the TP ranks (by output rows, or by input columns when
-    `row_parallel`, for the layers that consume a split activation)."""
-    if quant is not None:
-        return QuantizedLinear(in_features, out if isinstance(out, dict) else {None: out}, bias, quant,
-                               row_parallel=row_parallel)
-    if row_parallel:
-        assert isinstance(out, int)
-        return RowParallelLinear(in_features, out, bias)
-    return ColumnParallelLinear.split_evenly(in_features, out if isinstance(out, dict) else {None: out}, bias)
-
-
 class Attention(nn.Module):
     def __init__(self, s: ModelShape, rotary: RotaryEmbedding, backend, window: int | None = None):
         super().__init__()
@@ -121,14 +110,9 @@ class Attention(nn.Module):
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         # split by heads, not evenly by rows: KV heads may be replicated
-        if s.quant is not None:
-            self.qkv_proj = QuantizedLinear.qkv(s.hidden, s.total_num_heads, s.total_num_kv_heads,
-                                                s.head_dim, s.qkv_bias, s.quant)
-        else:
-            self.qkv_proj = ColumnParallelLinear.qkv(s.hidden, s.total_num_heads, s.total_num_kv_heads,
-                                                     s.head_dim, s.qkv_bias)
-        self.o_proj = make_linear(s.total_num_heads * s.head_dim, s.hidden, s.o_bias, s.quant,
-                                  row_parallel=True)
+        self.qkv_proj = ColumnParallelLinear.qkv(s.hidden, s.total_num_heads, s.total_num_kv_heads,
+                                                 s.head_dim, s.qkv_bias, s.quant)
+        self.o_proj = RowParallelLinear(s.total_num_heads * s.head_dim, s.hidden, s.o_bias, s.quant)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.eps)
             self.k_norm = RMSNorm(s.head_dim, s.eps)
@@ -167,8 +151,8 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = s.intermediate
         full = s.total_intermediate
-        self.gate_up_proj = make_linear(s.hidden, {"gate": full, "up": full}, s.mlp_bias, s.quant)
-        self.down_proj = make_linear(full, s.hidden, s.mlp_bias, s.quant, row_parallel=True)
+        self.gate_up_proj = ColumnParallelLinear(s.hidden, {"gate": full, "up": full}, s.mlp_bias, s.quant)
+        self.down_proj = RowParallelLinear(full, s.hidden, s.mlp_bias, s.quant)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
@@ -244,8 +228,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(s, rotary, backend)
         self.rotary = rotary  # registered once, shared by every layer
         if not s.tie_embeddings:
-            self.lm_head = (make_linear(s.hidden, s.vocab, False, quant) if quant and quant.lm_head
-                            else ParallelLMHead(s.vocab, s.hidden))
+            # A quantized head (GPTQModel's lm_head=true) is a linear layer split by output
+            # rows, each rank's logits gathered; a float one is split by vocabulary rows
+            # like the embedding (padded, layers/parallel.py).
+            self.lm_head = (ColumnParallelLinear(s.hidden, s.vocab, False, quant, gather_output=True)
+                            if quant and quant.lm_head else ParallelLMHead(s.vocab, s.hidden))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
@@ -254,60 +241,54 @@ class LlamaForCausalLM(nn.Module):
         """Full-vocabulary logits on every rank (each rank computes its vocabulary slice)."""
         if self.shape.tie_embeddings:  # the embedding's slice is the head's slice
             return gather_logits(F.linear(hidden, self.model.embed_tokens.weight), self.shape.vocab)
-        if isinstance(self.lm_head, QuantizedLinear):  # column-parallel: this rank's vocabulary slice
-            return gather_logits(self.lm_head(hidden), self.shape.vocab)
         return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:
-        """Fill parameters from (checkpoint name, tensor) pairs in HF naming. A tensor may be
-        a lazy safetensors slice: the parallel and quantized layers read only their rank's
-        block of it (parallel.read_block)."""
+        """Fill parameters from (checkpoint name, tensor) pairs in HF naming. Sharded
+        modules (every linear layer, the embedding and the head) take their tensors whole
+        and keep their rank's block, through their weight method for the linear layers; a
+        tensor may be a lazy safetensors slice, of which only that block is read. The
+        remaining parameters (norms) are replicated and copied whole."""
+        modules = dict(self.named_modules())
         params = dict(self.named_parameters())
-        quantized = {n: m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
-        parallel = {n: m for n, m in self.named_modules()
-                    if isinstance(m, RowParallelLinear | VocabParallelEmbedding | ColumnParallelLinear)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.shape.tie_embeddings:
                 continue
-            for frag, (fused, shard) in self.stacked_params.items():
-                if frag in name:
-                    target = name.replace(frag, fused)
-                    module_name, param_name = target.rsplit(".", 1)
-                    module = self.get_submodule(module_name)
+            target, shard = self._checkpoint_target(name)
+            module_name, _, param_name = target.rpartition(".")
+            module = modules.get(module_name)
+            if isinstance(module, ShardedWeights):
+                try:
                     module.load_shard(param_name, shard, tensor)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                module_name, _, param_name = name.rpartition(".")
-                if isinstance(quantized.get(module_name), QuantizedLinear):
-                    quantized[module_name].load_shard(param_name, None, tensor)
-                    continue
-                module = parallel.get(module_name)
-                if module is not None and name in params:  # cuts this rank's slice itself
-                    module.load_shard(param_name, None, tensor)
-                    loaded.add(name)
-                    continue
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
-                p = params[name]
-                if tuple(p.shape) != shape_of(tensor):
-                    raise ValueError(f"{name}: checkpoint shape {shape_of(tensor)} != {tuple(p.shape)}")
-                p.data.copy_(read_block(tensor))  # replicated (norms): the whole tensor
-                loaded.add(name)
-        missing = []
-        for module in quantized.values():
-            module.finish_loading()  # checks its own tensors: their names are the checkpoint's
-        for name, module in self.named_modules():
-            if isinstance(module, QuantizedLinear) or getattr(module, "checks_own_loading", False):
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from e
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in this model")
+            p = params[target]
+            if tuple(p.shape) != shape_of(tensor):
+                raise ValueError(f"{name}: checkpoint shape {shape_of(tensor)} != {tuple(p.shape)}")
+            p.data.copy_(read_block(tensor))  # replicated (norms): the whole tensor
+            loaded.add(target)
+        sharded = {n: m for n, m in modules.items() if isinstance(m, ShardedWeights)}
+        missing = [f"{n}.{piece}" for n, m in sharded.items() for piece in m.missing()]
+        for name, module in modules.items():
+            if name in sharded or getattr(module, "checks_own_loading", False):
                 continue  # e.g. MoE expert stacks (models/moe.py), filled piece by piece
-            for pname, _ in module.named_parameters(recurse=False):
-                full = f"{name}.{pname}"
-                if isinstance(module, ColumnParallelLinear) and None not in module.shards:  # fused
-                    missing += [f"{full}#{sh}" for sh in module.shards if f"{full}#{sh}" not in loaded]
-                elif full not in loaded:
-                    missing.append(full)
+            missing += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)
+                        if f"{name}.{p}" not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+        for module in sharded.values():
+            module.finish_loading()
+
+    def _checkpoint_target(self, name: str) -> tuple[str, str | None]:
+        """(our parameter name, fused shard) of a checkpoint tensor: q/k/v and gate/up go
+        to their fused layer as shards, packed tensors (`.qweight`, ...) keep their names."""
+        for frag, (fused, shard) in self.stacked_params.items():
+            if frag in name:
+                return name.replace(frag, fused), shard
+        return name, None

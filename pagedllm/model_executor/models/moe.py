@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
-from pagedllm.model_executor.layers.parallel import read_block, shape_of
+from pagedllm.model_executor.layers.linear import ReplicatedLinear
+from pagedllm.model_executor.layers.sharding import read_block, shape_of
 from pagedllm.model_executor.models.architectures import ARCHITECTURES
 from pagedllm.model_executor.models.llama import MLP, LlamaForCausalLM, ModelShape
 
@@ -59,7 +60,7 @@ class SparseMoeBlock(nn.Module):
         self.full_inter = intermediate
         self.inter = divide(intermediate, get_tp_world_size(), "moe intermediate size")
         self.start = get_tp_rank() * self.inter
-        self.gate = nn.Linear(s.hidden, num_experts, bias=False)  # the router, replicated
+        self.gate = ReplicatedLinear(s.hidden, num_experts, bias=False)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, s.hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, s.hidden, self.inter))
         self.shared_expert = None
@@ -69,7 +70,7 @@ class SparseMoeBlock(nn.Module):
             shared.intermediate = divide(shared_intermediate, get_tp_world_size(),
                                          "shared_expert_intermediate_size")
             self.shared_expert = MLP(shared)
-            self.shared_expert_gate = nn.Linear(s.hidden, 1, bias=False)
+            self.shared_expert_gate = ReplicatedLinear(s.hidden, 1, bias=False)
         self._loaded: set[tuple[int, str]] = set()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
-"""Quantized checkpoints: GPTQ and AWQ linear layers kept packed, with a Triton kernel on
-CUDA and a cached dequantized weight on CPU. GGUF files are dequantized at load by the
-GGUF loader instead (loader/gguf_file.py), so they need nothing here.
+"""Quantized checkpoints: which format a checkpoint uses (config.py) and the weight methods
+that keep its linear layers packed (gptq_awq.py: GPTQ and AWQ; gguf.py: GGUF Q4_0/Q8_0
+blocks), with a Triton kernel on CUDA and a cached dequantized weight on CPU. Other GGUF
+types are dequantized at load by the GGUF loader (loader/gguf_file.py).
 
 Nothing in this package imports triton until a CUDA tensor reaches a quantized layer.
 """
@@ -12,12 +13,10 @@ from pagedllm.model_executor.layers.quantization.config import (
     parse_quant_config,
     resolve_quant_config,
 )
-from pagedllm.model_executor.layers.quantization.linear import QuantizedLinear
 
 __all__ = [
     "METHODS",
     "QuantConfig",
-    "QuantizedLinear",
     "detect_quant_config",
     "parse_quant_config",
     "resolve_quant_config",

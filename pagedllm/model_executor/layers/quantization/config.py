@@ -14,14 +14,14 @@ import os
 from dataclasses import dataclass
 
 # Values accepted for EngineConfig.quantization ("gguf" names the GGUF loader: dequantized at
-# load, or Q4_0/Q8_0 linear layers packed as gptq_v2 on CUDA, see loader/gguf_file.py).
+# load, or Q4_0/Q8_0 linear layers kept packed on CUDA, see loader/gguf_file.py).
 METHODS = ("gptq", "awq", "gguf")
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How the linear layers of a GPTQ or AWQ checkpoint are stored.
+    """How the linear layers of a GPTQ, AWQ or (kept packed) GGUF checkpoint are stored.
 
     Only what changes the arithmetic is kept: `sym` needs no field because the stored zeros
     say it. `desc_act` (act-order) is also written in g_idx, but a row-parallel rank must
@@ -30,16 +30,19 @@ class QuantConfig:
     the input features), so it is kept.
     """
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "gguf"
     bits: int = 4
     group_size: int = 128  # -1: one group spanning the whole input dimension
-    checkpoint_format: str = "gptq"  # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq" (GEMM) | "awq_gemv"
+    # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq" (GEMM) | "awq_gemv"; gguf: "q4_0" | "q8_0"
+    checkpoint_format: str = "gptq"
     lm_head: bool = False  # GPTQModel can quantize the output head too
     desc_act: bool = False  # GPTQ act-order: g_idx is not in group order
 
     def __post_init__(self) -> None:
-        if self.method not in ("gptq", "awq"):
+        if self.method not in ("gptq", "awq", "gguf"):
             raise ValueError(f"unsupported quantization method {self.method!r}")
+        if self.method == "gguf" and (self.group_size, self.checkpoint_format) != (32, f"q{self.bits}_0"):
+            raise ValueError(f"GGUF layers are kept packed as Q4_0 or Q8_0 blocks of 32, not {self!r}")
         if self.method == "gptq" and self.bits not in (2, 4, 8):
             raise ValueError(f"GPTQ with {self.bits} bits is not supported (2, 4 and 8 are)")
         if self.method == "awq" and self.bits != 4:

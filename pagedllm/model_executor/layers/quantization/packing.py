@@ -1,6 +1,6 @@
 """Bit packing of GPTQ and AWQ tensors, in plain torch so it runs on any device.
 
-One internal layout serves both formats and every kernel (see QuantizedLinear):
+One internal layout serves both formats and every kernel (see gptq_awq.PackedMethod):
 `qweight` [K / pack, N] packed along the input dimension, value j of word (r, n) being
 input row `pack * r + j` (GPTQ's order, LSB first); `qzeros` [G, N / pack] packed along the
 output dimension in sequential order; `scales` [G, N]. AWQ's output-packed, interleaved

@@ -599,7 +599,7 @@ def counters(device: torch.device) -> torch.Tensor:
 
 
 def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The shared dequantization buffer of a device and dtype. QuantizedLinear calls this
+    """The shared dequantization buffer of a device and dtype. The packed weight method calls this
     at load time, which also makes the device's counters: so neither is allocated inside
     a CUDA-graph capture."""
     device = torch.device(device)

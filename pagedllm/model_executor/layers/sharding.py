@@ -1,0 +1,79 @@
+"""How a tensor-parallel rank takes its block of a full checkpoint tensor.
+
+Every sharded layer (the linear family, the vocabulary-parallel embedding and head) loads
+itself from full-size checkpoint tensors: the rank cuts its rows or columns out before
+copying to its device, so no device ever holds a whole sharded weight. A tensor handed in
+may be a torch tensor or a lazy safetensors slice; then only this rank's bytes are read
+from disk. `ShardedWeights` is the loader's side of that contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.distributed import divide
+
+
+def shape_of(t) -> tuple[int, ...]:
+    """Shape of a torch tensor or of a lazy safetensors slice (which has no `.shape`)."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+
+
+def read_block(t, *index: slice) -> torch.Tensor:
+    """`t[index]` (all of `t` when no index is given) as a tensor. For a lazy safetensors
+    slice only that block is read from the file, which is how a rank avoids materialising
+    a tensor it keeps one slice of; a torch tensor gives a view."""
+    if index:
+        return t[index]
+    return t if isinstance(t, torch.Tensor) else t[:]
+
+
+def check_shape(what: str, tensor, expected: tuple[int, ...]) -> None:
+    """The checkpoint tensor's full shape, checked before a slice of it is read (a slice
+    of a wrong-sized tensor would otherwise load without error)."""
+    if shape_of(tensor) != expected:
+        raise ValueError(f"{what}: checkpoint shape {shape_of(tensor)} != expected {expected}")
+
+
+def copy_block(what: str, target: torch.Tensor, block: torch.Tensor) -> None:
+    """`target.copy_(block)` without copy_'s broadcasting: a block of the wrong shape is an
+    error, not a silently repeated row."""
+    if tuple(target.shape) != tuple(block.shape):
+        raise ValueError(f"{what}: checkpoint shape {tuple(block.shape)} != expected {tuple(target.shape)}")
+    target.copy_(block)
+
+
+def head_partition(num_heads: int, rank: int, world: int, what: str,
+                   replicate: bool = False) -> tuple[int, int]:
+    """(first head, number of heads) this rank computes.
+
+    With fewer KV heads than ranks (GQA, e.g. 2 KV heads on 4 ranks; `replicate`) a KV
+    head cannot be split, so each is replicated on `world / num_heads` consecutive ranks:
+    rank r keeps head r * num_heads // world, which is the KV head its own query heads
+    attend with. Query heads are never replicated (o_proj sums over them)."""
+    if num_heads >= world or not replicate:
+        n = divide(num_heads, world, what)
+        return rank * n, n
+    if world % num_heads:
+        raise ValueError(f"{what} ({num_heads}) must divide tensor_parallel_size ({world}) "
+                         "when it is smaller")
+    return rank * num_heads // world, 1
+
+
+class ShardedWeights:
+    """Mixin of the modules that load themselves: the model's loader hands them full
+    checkpoint tensors by parameter name (and fused shard), they keep their rank's block
+    and know which pieces are still missing. Parameters outside such modules (norms) are
+    replicated and copied whole by the loader."""
+
+    def load_shard(self, param_name: str, shard: str | None, tensor) -> None:
+        raise NotImplementedError
+
+    def missing(self) -> list[str]:
+        """Checkpoint tensors not received yet, as `name` or `name#shard`."""
+        raise NotImplementedError
+
+    def finish_loading(self) -> None:
+        """Called once every tensor is in: checks completeness and prepares the forward."""
+        if missing := self.missing():
+            raise ValueError(f"checkpoint is missing {missing}")
