@@ -94,7 +94,7 @@ class EngineMetrics:
         self._success.labels(self._model, reason).inc()
 
     def update_pool(self, stats) -> None:
-        """Set gauges and advance cumulative counters from an EngineStats snapshot."""
+        """Set gauges and advance cumulative counters from a SchedulerStats snapshot."""
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage_perc.set(stats.kv_usage)

@@ -20,6 +20,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from pagedllm.config import EngineConfig, dtype_name
 from pagedllm.entrypoints.bench_report import args_dict, environment, write_json
 from pagedllm.entrypoints.bench_roofline import (
     H200_BANDWIDTH_TBPS,
@@ -35,7 +36,6 @@ from pagedllm.entrypoints.bench_workloads import (
     write_arch_config,
 )
 from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
-from pagedllm.worker.model_runner import resolve_dtype
 
 T = TypeVar("T")
 
@@ -215,7 +215,7 @@ class EngineBackend:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
         self.llm = LLM(model=cfg.model, **kwargs)
         self.temperature = args.temperature
-        self.device = self.llm.engine.runner.device
+        self.device = self.llm.engine.executor.device
 
     def _generate(self, data: RandomDataset) -> int:
         from pagedllm import SamplingParams
@@ -264,7 +264,7 @@ def _load(name: str, args: argparse.Namespace, cfg: ThroughputConfig, data: Rand
         from pagedllm.entrypoints.bench_hf import HFBackend, load_hf_model
 
         if args.hf_dtype is not None:
-            dtype = resolve_dtype(args.hf_dtype, None, device)
+            dtype = getattr(torch, dtype_name(args.hf_dtype))
         model = load_hf_model(cfg.model, cfg.load_format, dtype, device, args.seed)
         backend = HFBackend(model, cfg.hf_batch_size, args.hf_static_cache, args.temperature,
                             args.seed)
@@ -297,8 +297,9 @@ def run_throughput(args: argparse.Namespace) -> dict:
     hf_config = load_hf_config(resolve_source(cfg.model, cfg.load_format))
     vocab = hf_config.vocab_size
     data = random_dataset(cfg.num_prompts, cfg.input_range, cfg.output_range, vocab, args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(cfg.dtype, hf_config, device)
+    engine_cfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, device=args.device,
+                              load_format=cfg.load_format).resolve(hf_config, torch.cuda.is_available())
+    device, dtype = torch.device(engine_cfg.device), getattr(torch, engine_cfg.dtype)
     print(f"workload: {cfg.workload or 'custom'}, {len(data)} requests, input "
           f"{cfg.input_range[0]}..{cfg.input_range[1]}, output {cfg.output_range[0]}.."
           f"{cfg.output_range[1]} ({data.num_prompt_tokens} prompt / {data.num_output_tokens} "
