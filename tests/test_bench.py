@@ -7,9 +7,16 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from pagedllm.entrypoints.bench import add_bench_parser, build_parser, main
-from pagedllm.entrypoints.bench_roofline import H200_BANDWIDTH_TBPS, H200_MATMUL_TFLOPS, roofline
+from pagedllm.entrypoints.bench_roofline import (
+    H200,
+    ceilings,
+    known_card,
+    measure_ceilings,
+    roofline,
+)
 from pagedllm.entrypoints.bench_throughput import resolve_config
 from pagedllm.entrypoints.bench_workloads import (
     LLAMA2_7B_CONFIG,
@@ -90,10 +97,41 @@ def test_roofline_matches_benchmarks_md():
         w = WORKLOADS[workload]
         data = random_dataset(w.num_prompts, w.input_range, w.output_range, 1000, 0)
         return roofline(cfg, 2, [len(p) for p in data.prompts], data.output_lens, 256,
-                        H200_BANDWIDTH_TBPS, H200_MATMUL_TFLOPS)["output_tokens_per_s"]
+                        H200.bandwidth_tbps, H200.matmul_tflops)["output_tokens_per_s"]
 
     assert 12_000 < roof(LLAMA2_7B_CONFIG, "gpu-7b") < 14_000
     assert 33_000 < roof(QWEN3_0_6B_CONFIG, "gpu-0.6b") < 45_000
+
+
+def test_ceilings_are_the_cards_own():
+    """The roofline uses what this card measured; flags override; the reference of a known
+    card is recorded beside, and a CPU has no roofline unless both flags are given."""
+    assert known_card("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert known_card("NVIDIA H200").name == "H200"
+    assert known_card("NVIDIA H100 PCIe") is None and known_card("Intel Xeon") is None
+    cuda = torch.device("cuda")
+
+    def fake(device):
+        return {"bandwidth_TBps": 2.9, "matmul_TFLOPs": 770.0}
+
+    c = ceilings(cuda, "NVIDIA H100 80GB HBM3", None, None, measure=fake)
+    assert (c["bandwidth_TBps"], c["matmul_TFLOPs"]) == (2.9, 770.0)
+    assert c["source"] == {"bandwidth": "measured", "matmul": "measured"}
+    assert c["reference"]["name"] == "H100 SXM" and c["device_name"] == "NVIDIA H100 80GB HBM3"
+    c = ceilings(cuda, "NVIDIA H200", 4.0, None, measure=fake)
+    assert (c["bandwidth_TBps"], c["matmul_TFLOPs"], c["source"]["bandwidth"]) == (4.0, 770.0, "flag")
+    cpu = torch.device("cpu")
+    assert ceilings(cpu, "Xeon", None, None, measure=fake) is None
+    assert ceilings(cpu, "Xeon", 0.1, None, measure=fake) is None
+    c = ceilings(cpu, "Xeon", 0.1, 2.0, measure=fake)
+    assert c["measured"] is None and c["reference"] is None and c["bandwidth_TBps"] == 0.1
+
+
+def test_measure_ceilings_counts_bytes_and_flops():
+    """Small sizes on CPU: the same code path as the card's, positive finite figures."""
+    m = measure_ceilings(torch.device("cpu"), copy_bytes=1 << 20, matmul_n=64, repeats=2)
+    assert m["bandwidth_TBps"] > 0 and m["matmul_TFLOPs"] > 0
+    assert m["copy_bytes"] == 1 << 20 and m["matmul_shape"] == [64, 64, 64]
 
 
 def test_add_bench_parser_wires_into_a_cli():
@@ -113,9 +151,16 @@ def test_throughput_on_dummy_weights_writes_exact_counts(tmp_path, tp):
     args = _parse("--model", model, "--load-format", "dummy", "--num-prompts", "5",
                   "--input-len", "12", "--output-len", "7", "--warmup", "2",
                   "--num-kv-blocks", "64", "--device", "cpu", "--output-json", str(out),
-                  "--tensor-parallel-size", str(tp))
+                  "--tensor-parallel-size", str(tp), "--peak-bandwidth", "0.05",
+                  "--peak-tflops", "1")
     assert main(args) == 0
     result = json.loads(out.read_text())
+    # On CPU the flags alone make a roofline: their values, and the device it was for.
+    c, roof = result["ceilings"], result["roofline"]
+    assert c["source"] == {"bandwidth": "flag", "matmul": "flag"} and c["measured"] is None
+    assert (roof["bandwidth_TBps"], roof["matmul_TFLOPs"]) == (0.05, 1.0)
+    assert roof["device_name"] == c["device_name"] == result["environment"]["device_name"]
+    assert 0 < roof["achieved_fraction"]
     r = result["results"]["pagedllm"]
     assert r["num_requests"] == 5 and r["output_tokens"] == 5 * 7 and r["prompt_tokens"] == 5 * 12
     assert r["output_tokens_per_s"] == pytest.approx(35 / r["elapsed_s"], rel=1e-2)
