@@ -21,12 +21,8 @@ from typing import Protocol, TypeVar
 import torch
 
 from pagedllm.config import EngineConfig, dtype_name
-from pagedllm.entrypoints.bench_report import args_dict, environment, write_json
-from pagedllm.entrypoints.bench_roofline import (
-    H200_BANDWIDTH_TBPS,
-    H200_MATMUL_TFLOPS,
-    roofline,
-)
+from pagedllm.entrypoints.bench_report import args_dict, device_name, environment, write_json
+from pagedllm.entrypoints.bench_roofline import ceilings, roofline
 from pagedllm.entrypoints.bench_workloads import (
     WORKLOADS,
     RandomDataset,
@@ -100,9 +96,11 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--hf-static-cache", action="store_true",
                    help="HF with cache_implementation='static' (torch.compile'd on CUDA)")
     b.add_argument("--peak-bandwidth", type=float,
-                   help="memory bandwidth in TB/s for the roofline (default: H200's on CUDA)")
+                   help="memory bandwidth in TB/s for the roofline (default on CUDA: the "
+                        "card's copy bandwidth, measured at the start of the run)")
     b.add_argument("--peak-tflops", type=float,
-                   help="matmul TFLOP/s for the roofline (default: H200's on CUDA)")
+                   help="matmul TFLOP/s for the roofline (default on CUDA: the card's bf16 "
+                        "matmul rate, measured at the start of the run)")
     p.add_argument("--output-json", help="write the result here")
 
 
@@ -304,6 +302,15 @@ def run_throughput(args: argparse.Namespace) -> dict:
           f"{cfg.input_range[0]}..{cfg.input_range[1]}, output {cfg.output_range[0]}.."
           f"{cfg.output_range[1]} ({data.num_prompt_tokens} prompt / {data.num_output_tokens} "
           f"output tokens), model {cfg.model} ({cfg.load_format}, {dtype})", flush=True)
+    # Before any backend holds the memory: the copy needs 2 GiB for a second.
+    ceil = ceilings(device, device_name(device), args.peak_bandwidth, args.peak_tflops)
+    if ceil is not None:
+        ref = ceil["reference"]
+        print(f"ceilings of {ceil['device_name']}: {ceil['bandwidth_TBps']} TB/s "
+              f"({ceil['source']['bandwidth']}), {ceil['matmul_TFLOPs']} TFLOP/s "
+              f"({ceil['source']['matmul']}); reference "
+              + (f"{ref['name']} {ref['bandwidth_TBps']} TB/s, {ref['matmul_TFLOPs']} TFLOP/s"
+                 if ref else "none for this card"), flush=True)
 
     names = ["pagedllm", "hf"] if args.backend == "both" else [args.backend]
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -361,12 +368,12 @@ def run_throughput(args: argparse.Namespace) -> dict:
     if "pagedllm" in results and "hf" in results:
         result["ratio"] = round(results["pagedllm"]["output_tokens_per_s"]
                                 / results["hf"]["output_tokens_per_s"], 3)
-    bw, tf = args.peak_bandwidth, args.peak_tflops
-    if device.type == "cuda":
-        bw, tf = bw or H200_BANDWIDTH_TBPS, tf or H200_MATMUL_TFLOPS
-    if bw and tf:
-        roof = roofline(hf_config, torch.finfo(dtype).bits // 8, [len(p) for p in data.prompts],
-                        data.output_lens, args.max_num_seqs, bw, tf)
+    if ceil is not None:
+        result["ceilings"] = ceil
+        roof = {"device_name": ceil["device_name"],
+                **roofline(hf_config, torch.finfo(dtype).bits // 8,
+                           [len(p) for p in data.prompts], data.output_lens, args.max_num_seqs,
+                           ceil["bandwidth_TBps"], ceil["matmul_TFLOPs"])}
         if "pagedllm" in results:
             roof["achieved_fraction"] = round(
                 results["pagedllm"]["output_tokens_per_s"] / roof["output_tokens_per_s"], 4)
@@ -392,5 +399,10 @@ def _print_table(result: dict) -> None:
           f"{(env['git'].get('short') or '?')}{' (dirty)' if env['git'].get('dirty') else ''}")
     for r in rows:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    if "roofline" in result:
+        r, c = result["roofline"], result["ceilings"]
+        print(f"roofline at {r['bandwidth_TBps']} TB/s ({c['source']['bandwidth']}), "
+              f"{r['matmul_TFLOPs']} TFLOP/s ({c['source']['matmul']})"
+              + (f": achieved {r['achieved_fraction']:.1%}" if "achieved_fraction" in r else ""))
     if "ratio" in result:
         print(f"pagedllm / hf output tok/s: {result['ratio']:.2f}x")
