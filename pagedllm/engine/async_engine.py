@@ -80,6 +80,7 @@ class AsyncLLM:
             self.client.shutdown()
             raise
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.metrics.update_pool(self.stats())
         self.max_model_len = self.config.max_model_len
 
     @classmethod
