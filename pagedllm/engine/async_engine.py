@@ -113,7 +113,8 @@ class AsyncLLM:
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request until it finishes. Cancelling the
+        """Stream cumulative outputs of one request until it finishes (a consumer slower
+        than the engine gets the latest, skipping those in between). Cancelling the
         consumer (e.g. a client disconnect) aborts the request and frees its blocks."""
         if self._dead is not None or not self.client.alive():
             raise self._dead or EngineDeadError("the engine is not running")
@@ -135,6 +136,10 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.queue.get()
+                # Outputs are cumulative: a consumer that fell behind takes the latest one
+                # (one SSE event for several tokens) instead of working through each.
+                while not (isinstance(item, BaseException) or item.finished or stream.queue.empty()):
+                    item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True  # the engine has ended it already
                     raise item
