@@ -221,7 +221,7 @@ def test_server_tp2_serves_then_fails_clearly_when_a_worker_dies(tmp_path):
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import default_model_path
-    from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
+    from pagedllm.tokenizers import gguf_tokenizer
 
     tok = gguf_tokenizer(default_model_path())  # a real tokenizer for a tiny random model
     path = str(tmp_path / "model")

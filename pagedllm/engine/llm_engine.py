@@ -21,7 +21,7 @@ from pagedllm.metrics import EngineMetrics
 from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import load_tokenizer
+from pagedllm.tokenizers import load_tokenizer
 
 
 class StepError(RuntimeError):

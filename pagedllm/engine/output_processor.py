@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer
+from pagedllm.tokenizers import IncrementalDetokenizer
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.entrypoints.bench_workloads import RandomDataset
-from pagedllm.model_executor.loader.loader import resolve_source
+from pagedllm.model_source import resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

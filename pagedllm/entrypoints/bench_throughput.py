@@ -34,7 +34,8 @@ from pagedllm.entrypoints.bench_workloads import (
     random_dataset,
     write_arch_config,
 )
-from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.model_executor.loader.loader import load_hf_config
+from pagedllm.model_source import resolve_source
 from pagedllm.worker.model_runner import resolve_dtype
 
 T = TypeVar("T")
