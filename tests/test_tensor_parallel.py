@@ -135,12 +135,12 @@ def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
     _assert_tp2_equals_tp1(path)
 
 
-def test_tp2_zoo_model_from_its_original_layout(tiny_models, tmp_path):
+def test_tp2_remote_code_model_from_its_original_layout(tiny_models, tmp_path):
     """InternLM2's grouped wqkv, converted from a Llama reference, shards like the rest."""
-    import zoo_converters as zc
+    import remote_code_converters as converters
 
     _, hf = tiny_models("llama", num_key_value_heads=2)
-    path = zc.to_internlm2(hf, str(tmp_path / "internlm2"))
+    path = converters.to_internlm2(hf, str(tmp_path / "internlm2"))
     _assert_tp2_equals_tp1(path)
 
 

@@ -12,7 +12,7 @@ import torch
 from pagedllm.model_executor.layers.quantization import QuantizedLinear, resolve_quant_config
 from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_quant_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
-from pagedllm.model_executor.models.zoo import zoo_architecture, zoo_config
+from pagedllm.model_executor.models.remote_code import remote_code_architecture, remote_code_config
 
 # resolve_source is re-exported: the engine imports it from here.
 from pagedllm.model_source import ModelSource, resolve_source  # noqa: F401
@@ -30,8 +30,8 @@ def load_hf_config(source: ModelSource):
 
         with open(cfg_path) as f:
             raw = json.load(f)
-        if zoo_architecture(raw):
-            return zoo_config(raw)
+        if remote_code_architecture(raw):
+            return remote_code_config(raw)
     from transformers import AutoConfig
 
     try:
@@ -115,8 +115,8 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     elif source.kind == "gguf":
         model.load_weights(gguf_weights(source.path, hf_config, quant))
     else:
-        # The remote-code renamers (models/zoo.py) reshape and split whole fused tensors,
+        # The remote-code renamers (models/remote_code.py) reshape and split whole fused tensors,
         # so those checkpoints are read whole; every other model's layers cut their own
         # slice out of a lazy one.
-        model.load_weights(_hf_weights(source, lazy=getattr(hf_config, "zoo_family", None) is None))
+        model.load_weights(_hf_weights(source, lazy=getattr(hf_config, "remote_code_family", None) is None))
     return model.eval()
