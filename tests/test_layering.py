@@ -1,6 +1,6 @@
-"""Imports run one way, top to bottom (DESIGN.md): entrypoints -> engine -> executor ->
-worker -> model_executor / core -> attention / distributed -> the leaf modules, with no
-cycles, and the core importable without torch.
+"""Imports run one way, top to bottom (the project's design notes): entrypoints -> engine
+-> executor -> worker -> model_executor / core -> attention / distributed -> the leaf
+modules, with no cycles, and the core importable without torch.
 
 The graph is read from the source with `ast` (nothing of pagedllm is imported), so a
 violation shows even where the import would have worked at run time. An edge is what an

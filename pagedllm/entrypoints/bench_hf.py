@@ -1,5 +1,5 @@
 """The Hugging Face transformers baseline: the same requests through `generate` in static
-batches, as BENCHMARKS.md measures it.
+batches, as the project's benchmark notes measure it.
 
 How it counts, and why:
 - Requests go in dataset order, `batch_size` at a time, left-padded with an attention mask.

@@ -3,13 +3,12 @@
 Decode is bound by memory: each step reads every weight once plus each running request's KV
 cache. Prefill is bound by matmul rate. The estimate assumes perfect continuous batching
 (decode steps = max(longest output, total output / concurrent requests)) and no overlap,
-which is the method behind the roofline row of BENCHMARKS.md (about 13,000 tok/s for gpu-7b
-on an H200 at 4.24 TB/s and 786 TFLOP/s).
+which is the method behind the roofline row of the project's benchmark notes.
 """
 
 from __future__ import annotations
 
-# Ceilings measured on the lent H200 (BENCHMARKS.md): copy bandwidth and bf16 matmul rate.
+# Ceilings measured on the lent H200: copy bandwidth and bf16 matmul rate.
 H200_BANDWIDTH_TBPS = 4.24
 H200_MATMUL_TFLOPS = 786.0
 

@@ -5,7 +5,7 @@ transformers cannot build these configs without `trust_remote_code`, so config.j
 read as a plain dict and translated into a `LlamaConfig` carrying the decoder's switches
 (`qkv_bias`, `alibi`, `rotary_interleaved`, ...). The checkpoint's tensors are renamed
 (and fused tensors split) into Llama names on the fly, then loaded as a Llama checkpoint.
-Layouts: /work/shared/reference/FORMATS.md (sections 3-6).
+Layouts: the project's format notes (sections 3-6).
 """
 
 from __future__ import annotations
