@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput`: the workloads match BENCHMARKS.md, the dataset is the same
+"""`pagedllm bench throughput`: the workloads match the benchmark notes, the dataset is the same
 for every backend, the counts are exact, and the JSON carries what a result needs."""
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def test_random_dataset_is_reproducible_and_in_range():
     assert {len(p) for p in a.prompts} == set(range(3, 10))  # both ends are reachable
 
 
-def test_roofline_matches_benchmarks_md():
-    """BENCHMARKS.md: about 13,000 tok/s for gpu-7b and 40,000 for gpu-0.6b on an H200."""
+def test_roofline_matches_the_benchmark_notes():
+    """The project's benchmark notes: about 13,000 tok/s for gpu-7b and 40,000 for gpu-0.6b on an H200."""
     from transformers import AutoConfig
 
     def roof(arch: dict, workload: str) -> float:

@@ -44,7 +44,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny random llama over SmolLM2's vocabulary, with its tokenizer and chat template."""
     from hf_models import save_tiny_model
 
-    from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
+    from pagedllm.tokenizers import gguf_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-smol")
     tok = gguf_tokenizer(default_model_path())

@@ -509,8 +509,8 @@ def recorded():
 
     from pagedllm.config import EngineConfig, default_model_path
     from pagedllm.entrypoints.openai.api_server import build_app
-    from pagedllm.model_executor.loader.loader import resolve_source
-    from pagedllm.tokenizer import load_tokenizer
+    from pagedllm.model_source import resolve_source
+    from pagedllm.tokenizers import load_tokenizer
 
     engine = _RecordingEngine(load_tokenizer(resolve_source(default_model_path(), "auto")))
     app = build_app(engine, EngineConfig(model="Qwen/Qwen-7B-Chat"), chat_template=CUSTOM_TEMPLATE)

@@ -135,12 +135,12 @@ def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
     _assert_tp2_equals_tp1(path)
 
 
-def test_tp2_zoo_model_from_its_original_layout(tiny_models, tmp_path):
+def test_tp2_remote_code_model_from_its_original_layout(tiny_models, tmp_path):
     """InternLM2's grouped wqkv, converted from a Llama reference, shards like the rest."""
-    import zoo_converters as zc
+    import remote_code_converters as converters
 
     _, hf = tiny_models("llama", num_key_value_heads=2)
-    path = zc.to_internlm2(hf, str(tmp_path / "internlm2"))
+    path = converters.to_internlm2(hf, str(tmp_path / "internlm2"))
     _assert_tp2_equals_tp1(path)
 
 
@@ -209,7 +209,7 @@ def test_server_tp2_serves_then_fails_clearly_when_a_worker_dies(tmp_path):
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import default_model_path
-    from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
+    from pagedllm.tokenizers import gguf_tokenizer
 
     tok = gguf_tokenizer(default_model_path())  # a real tokenizer for a tiny random model
     path = str(tmp_path / "model")

@@ -16,7 +16,8 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.executor import ExecutorDeadError, make_executor
-from pagedllm.model_executor.loader.loader import ModelSource, load_hf_config, resolve_source
+from pagedllm.model_executor.loader.loader import load_hf_config
+from pagedllm.model_source import ModelSource, resolve_source
 
 
 class StepError(RuntimeError):

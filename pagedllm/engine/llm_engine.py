@@ -14,10 +14,10 @@ from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, eos_token_ids
 from pagedllm.metrics import EngineMetrics
-from pagedllm.model_executor.loader.loader import resolve_source
+from pagedllm.model_source import resolve_source
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import load_tokenizer
+from pagedllm.tokenizers import load_tokenizer
 
 __all__ = ["LLMEngine", "StepError", "load_frontend"]
 

@@ -18,7 +18,7 @@ from pagedllm.engine.processor import child_id
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer
+from pagedllm.tokenizers import IncrementalDetokenizer
 
 
 @dataclass

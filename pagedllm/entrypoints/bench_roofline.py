@@ -3,8 +3,7 @@
 Decode is bound by memory: each step reads every weight once plus each running request's KV
 cache. Prefill is bound by matmul rate. The estimate assumes perfect continuous batching
 (decode steps = max(longest output, total output / concurrent requests)) and no overlap,
-which is the method behind the roofline row of BENCHMARKS.md (about 13,000 tok/s for gpu-7b
-on an H200 at 4.24 TB/s and 786 TFLOP/s).
+which is the method behind the roofline row of the project's benchmark notes.
 
 The ceilings belong to the card the run got: the device tool lends an H100 (about 3.0 TB/s)
 or an H200 (about 4.3 TB/s), so a fixed pair would misstate the roofline on one of them.
@@ -23,7 +22,7 @@ import torch
 
 @dataclass(frozen=True)
 class Card:
-    """Ceilings of one kind of card as measured here (BENCHMARKS.md, "Cards")."""
+    """Ceilings of one kind of card as measured here (the benchmark notes' "Cards")."""
 
     name: str
     bandwidth_tbps: float  # device-to-device copy, bytes read + written
@@ -97,7 +96,7 @@ def measure_ceilings(device: torch.device, copy_bytes: int = 1 << 30, matmul_n: 
     H100/H200 with the defaults; the buffers, 2 GiB and 384 MiB, are freed before return).
 
     Bandwidth counts the bytes read plus the bytes written by one device-to-device copy, as
-    BENCHMARKS.md's figures do; the matmul rate counts 2*n^3 FLOPs for each n x n x n product.
+    the benchmark notes' figures do; the matmul rate counts 2*n^3 FLOPs for each n x n x n product.
     Both are the best of `repeats` runs, so a card that throttles shows a lower ceiling than
     its reference, never a higher one.
     """

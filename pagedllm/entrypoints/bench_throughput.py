@@ -31,7 +31,8 @@ from pagedllm.entrypoints.bench_workloads import (
     random_dataset,
     write_arch_config,
 )
-from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.model_executor.loader.loader import load_hf_config
+from pagedllm.model_source import resolve_source
 
 T = TypeVar("T")
 
@@ -45,7 +46,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     """Flags of `bench throughput`. Unset workload flags take the `--workload` preset's value."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=sorted(WORKLOADS),
-                   help="a preset of BENCHMARKS.md (model shape, dtype, requests, lengths, HF "
+                   help="a preset workload (model shape, dtype, requests, lengths, HF "
                         "batch size); flags given explicitly override it")
     w.add_argument("--num-prompts", type=int, help=f"requests (default {DEFAULT_NUM_PROMPTS})")
     w.add_argument("--input-len", type=int, help=f"prompt tokens (default {DEFAULT_INPUT_LEN})")

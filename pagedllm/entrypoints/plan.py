@@ -16,8 +16,9 @@ import torch
 from pagedllm.config import parse_bytes
 from pagedllm.memory import blocks_for_bytes, cpu_num_blocks, kv_bytes_per_token
 from pagedllm.model_executor.layers.parallel import ParallelLMHead
-from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_executor.models import resolve_architecture
+from pagedllm.model_source import resolve_source
 
 # name -> (bytes per weight of the linear layers, bytes per element of everything else and KV)
 WEIGHT_FORMATS = {

@@ -16,7 +16,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.executor.base import ExecutorDeadError, RankGroupExecutor
 from pagedllm.executor.worker import Worker
-from pagedllm.model_executor.loader import ModelSource
+from pagedllm.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import destroy_distributed, init_distributed
-from pagedllm.model_executor.loader import ModelSource
+from pagedllm.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
