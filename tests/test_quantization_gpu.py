@@ -83,7 +83,7 @@ def test_quantized_layer_stays_packed_on_cuda(tiny_models, tmp_path):
     finally:
         tw.wna16_matmul = real
     assert calls, "the Triton kernel was not used"
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m._dequantized is None and m.qweight.dtype == torch.int32 and m.tile_k
                           for m in layers)
     for p, o in zip(prompts, outs, strict=True):

@@ -273,15 +273,6 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_by_stop_string(self, request_id: str, stop: str) -> None:
-        """The output processor found a stop string: end the request now."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return
-        self._remove(req)
-        req.stop_reason = stop
-        self._finish(req, RequestStatus.FINISHED_STOPPED)
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)

@@ -96,23 +96,13 @@ class LaunchedStep:
         return out
 
 
-def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
-    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype != "auto":
-        return names[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU half-precision matmuls are slow or missing
-    cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    cfg = names.get(str(cfg).replace("torch.", ""), None) if cfg is not None else None
-    return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
+        if not config.resolved:
+            raise ValueError("the model runner needs a resolved config (EngineConfig.resolve)")
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(self.device)

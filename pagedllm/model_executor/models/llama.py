@@ -1,5 +1,5 @@
 """One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, GLM), also
-serving the remote-code families of models/zoo.py (InternLM, Baichuan, Qwen v1, ChatGLM).
+serving the remote-code families of models/remote_code.py (InternLM, Baichuan, Qwen v1, ChatGLM).
 
 They differ only in switches read from the config: bias on q/k/v (Qwen2, `qkv_bias`) or on
 every attention projection (Llama `attention_bias`), per-head q/k RMSNorm (Qwen3), an
@@ -37,7 +37,7 @@ from pagedllm.model_executor.layers.parallel import (
 from pagedllm.model_executor.layers.quantization import QuantConfig, QuantizedLinear
 from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 
-# transformers' own GLM classes: ChatGLM's math (models/zoo.py) under Llama-style names
+# transformers' own GLM classes: ChatGLM's math (models/remote_code.py) under Llama-style names
 GLM_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 
 
