@@ -26,7 +26,7 @@ def tiny_path(tmp_path_factory) -> str:
     from hf_models import save_tiny_model
 
     from pagedllm.config import default_model_path
-    from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
+    from pagedllm.tokenizers import gguf_tokenizer
 
     path = str(tmp_path_factory.mktemp("tiny-smol"))
     tok = gguf_tokenizer(default_model_path())
