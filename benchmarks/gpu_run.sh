@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|quant|tp
+#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
 # serve: the server on gpu-7b's shape, 64 concurrent streaming clients;
+# serve-ratio: offline gpu-7b, then one server on its shape at 256 clients (512 prompts) and
+#   at 64 (256 prompts), each result holding the offline tok/s and served / offline; the
+#   table comes last;
 # quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine;
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2.
 set -uo pipefail
@@ -34,33 +37,124 @@ for path in sys.argv[1:]:
 EOF
 }
 
-# serve_7b NAME CLIENTS PROMPTS [server flags...]: the server on gpu-7b's shape (random
-# weights, a word-per-id tokenizer) and `bench serve` at CLIENTS concurrent streams.
-serve_7b() {
-    local name=$1 clients=$2 prompts=$3 dir server
-    shift 3
+# The server on gpu-7b's shape (random weights, a word-per-id tokenizer) on a free loopback
+# port (or $PORT). start_7b NAME [server flags...] returns 0 once /health answers, or 1 with
+# the tail of the server's log if it exited or did not answer within $SERVER_WAIT_S (300).
+SERVER_PID= SERVER_PORT=
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+start_7b() {
+    local name=$1 dir log t0=$SECONDS wait_s=${SERVER_WAIT_S:-300}
+    shift
+    SERVER_PORT=${PORT:-$(free_port)}
+    log=$OUT/server-$name.log
     dir=$(mktemp -d)
-    python3 - "$dir" <<'EOF'
+    python3 - "$dir" <<'EOF' || return 1
 import sys
 from pagedllm.entrypoints.bench_workloads import LLAMA2_7B_CONFIG, write_arch_config, write_word_tokenizer
 write_arch_config(LLAMA2_7B_CONFIG, sys.argv[1])
 write_word_tokenizer(sys.argv[1], LLAMA2_7B_CONFIG["vocab_size"])
 EOF
     python3 -m pagedllm.entrypoints.cli serve "$dir" --load-format dummy --dtype bfloat16 \
-        --served-model-name llama-2-7b-shape --port 8011 --max-model-len 4096 \
-        --log-level warning "$@" >"$OUT/server-$name.log" 2>&1 &
-    server=$!
-    for _ in $(seq 300); do
-        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health', timeout=2)" \
-            2>/dev/null && break
+        --served-model-name llama-2-7b-shape --host 127.0.0.1 --port "$SERVER_PORT" \
+        --max-model-len 4096 --log-level warning "$@" >"$log" 2>&1 &
+    SERVER_PID=$!
+    while (( SECONDS - t0 < wait_s )); do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            wait "$SERVER_PID"
+            echo "server $name exited (status $?) before it answered; tail of $log:"
+            tail -n 40 "$log"
+            SERVER_PID=
+            return 1
+        fi
+        if python3 -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=2)' \
+                "http://127.0.0.1:$SERVER_PORT/health" 2>/dev/null; then
+            echo "server $name up on port $SERVER_PORT after $((SECONDS - t0)) s"
+            return 0
+        fi
         sleep 1
     done
-    bench serve --base-url http://127.0.0.1:8011 --num-prompts "$prompts" --input-len 256 --output-len 256 \
-        --max-concurrency "$clients" --prompt-vocab-size 32000 --warmup 4 --temperature 1.0 \
-        --output-json "$OUT/gpu-7b-serve-$name.json" 2>&1 | tail -20
-    kill -INT $server
-    wait $server
+    echo "server $name did not answer /health within $wait_s s; tail of $log:"
+    tail -n 40 "$log"
+    stop_7b
+    return 1
+}
+stop_7b() {  # SIGINT (a clean shutdown), SIGKILL after 30 s
+    [[ -n ${SERVER_PID:-} ]] || return 0
+    kill -INT "$SERVER_PID" 2>/dev/null
+    for _ in $(seq 30); do
+        kill -0 "$SERVER_PID" 2>/dev/null || break
+        sleep 1
+    done
+    kill -KILL "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID" 2>/dev/null
+    SERVER_PID=
+}
+trap stop_7b EXIT
+# bench_7b NAME CLIENTS PROMPTS [bench serve flags...]: 256 in / 256 out at CLIENTS streams
+# against the running server, within $BENCH_S seconds (600); later flags override these.
+bench_7b() {
+    local name=$1 clients=$2 prompts=$3
+    shift 3
+    timeout "${BENCH_S:-600}" python3 -m pagedllm.entrypoints.bench serve \
+        --base-url "http://127.0.0.1:$SERVER_PORT" --num-prompts "$prompts" --input-len 256 \
+        --output-len 256 --max-concurrency "$clients" --prompt-vocab-size 32000 --warmup 4 \
+        --temperature 1.0 --output-json "$OUT/gpu-7b-serve-$name.json" "$@" 2>&1 | tail -20
+}
+# serve_7b NAME CLIENTS PROMPTS [server flags...]: one server, one `bench serve`.
+serve_7b() {
+    local name=$1 clients=$2 prompts=$3
+    shift 3
+    start_7b "$name" "$@" || return 1
+    bench_7b "$name" "$clients" "$prompts"
+    stop_7b
     summary "$OUT/gpu-7b-serve-$name.json"
+}
+# serve_ratio_summary OFFLINE SERVE...: offline and served output tok/s of one card, a table.
+serve_ratio_summary() {
+    python3 - "$@" <<'EOF'
+import json, sys
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except Exception as e:
+        print(f"{path}: {e}")
+        return None
+
+offline = load(sys.argv[1])
+if offline:
+    p, roof, c = offline["results"]["pagedllm"], offline.get("roofline", {}), offline.get("ceilings", {})
+    print(f"\noffline gpu-7b on {offline['environment']['device_name']} (commit "
+          f"{offline['environment']['git'].get('short')}): {p['output_tokens_per_s']} output tok/s; "
+          f"roofline {roof.get('output_tokens_per_s')} at {c.get('bandwidth_TBps')} TB/s, "
+          f"{c.get('matmul_TFLOPs')} TFLOP/s, achieved {roof.get('achieved_fraction')}")
+rows = [("run", "clients", "prompts", "offline tok/s", "served tok/s", "served/offline",
+         "TTFT med ms", "ITL med ms", "ITL p99 ms", "p99/med", "failed")]
+for path in sys.argv[2:]:
+    s = load(path)
+    if not s:
+        continue
+    r, a = s["results"], s["args"]
+    rows.append((path.rsplit("serve-", 1)[-1].removesuffix(".json"), a["max_concurrency"],
+                 a["num_prompts"], r.get("offline_output_throughput"), r["output_throughput"],
+                 r.get("offline_ratio"), r["median_ttft_ms"], r["median_itl_ms"], r["p99_itl_ms"],
+                 r["itl_p99_over_median"], r["failed"]))
+rows = [[str(x) for x in row] for row in rows]
+widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+for row in rows:
+    print("  ".join(x.rjust(w) for x, w in zip(row, widths)))
+EOF
+}
+# cap N: N seconds, or fewer, so that a mode's steps end $BUDGET_S (580) s after the start
+# less 20 s for stopping the server and printing the summary (a device call gets 600 s).
+DEADLINE=$((SECONDS + ${BUDGET_S:-580}))
+cap() {
+    local left=$((DEADLINE - SECONDS - 20))
+    (( left < 1 )) && left=1
+    echo $(( left < $1 ? left : $1 ))
 }
 
 case "${1:-throughput}" in
@@ -80,6 +174,20 @@ baseline)
     ;;
 serve)
     serve_7b c64 64 256
+    ;;
+serve-ratio)
+    # One card: offline gpu-7b (pagedllm only), then one server on the same shape with
+    # `bench serve` at 256 and at 64 clients, each given the offline result.
+    offline=$OUT/gpu-7b-offline.json
+    rm -f "$offline" "$OUT"/gpu-7b-serve-c256.json "$OUT"/gpu-7b-serve-c64.json
+    timeout "$(cap 240)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
+        --output-json "$offline" 2>&1 | tail -10
+    if [[ -f $offline ]] && SERVER_WAIT_S=$(cap 240) start_7b ratio; then
+        BENCH_S=$(cap 150) bench_7b c256 256 512 --offline-json "$offline"
+        BENCH_S=$(cap 150) bench_7b c64 64 256 --warmup 1 --offline-json "$offline"
+        stop_7b
+    fi
+    serve_ratio_summary "$offline" "$OUT"/gpu-7b-serve-c256.json "$OUT"/gpu-7b-serve-c64.json
     ;;
 tp)
     export NCCL_NVLS_ENABLE=0

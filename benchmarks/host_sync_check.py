@@ -42,7 +42,7 @@ def instrument(engine) -> dict:
 
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
     engine.scheduler.update = timed("update", engine.scheduler.update)
-    runner = engine.runner.runner
+    runner = engine.executor.runner
     runner.launch = timed("launch", runner.launch)
     runner.execute = timed("execute", runner.execute)
     runner._layout = timed("layout", runner._layout)
@@ -50,7 +50,8 @@ def instrument(engine) -> dict:
     if runner.graphs is not None:
         runner.graphs.run = timed("graph_run", runner.graphs.run)
     runner.model.forward = timed("model_forward", runner.model.forward)
-    engine._process = timed("process", engine._process)
+    engine.core._process = timed("process", engine.core._process)
+    engine.output_processor.process = timed("output_process", engine.output_processor.process)
     engine.step = timed("step", engine.step)
     model_runner.LaunchedStep.result = timed("result(wait)", _RESULT)
     return timers
@@ -88,7 +89,7 @@ def main() -> None:
         print(f"  {n:6d}  {site}")
     timers = instrument(llm.engine)
     for asyn in (True, False, True):
-        llm.engine.async_scheduling = asyn
+        llm.engine.core.async_scheduling = asyn
         llm.engine.step()  # reads a step left in flight
         timers.clear()
         torch.cuda.synchronize()

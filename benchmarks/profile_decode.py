@@ -43,7 +43,7 @@ def main() -> None:
     w = WORKLOADS[args.workload]
     path = write_arch_config(w.arch_config)
     llm = LLM(model=path, load_format="dummy", dtype=w.dtype, skip_tokenizer_init=True)
-    vocab = llm.engine.runner.vocab_size
+    vocab = llm.engine.executor.vocab_size
     out_range = w.output_range if args.max_output is None else (min(w.output_range[0], args.max_output), args.max_output)
     data = random_dataset(args.num_prompts, w.input_range, out_range, vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in data.prompts]
@@ -77,7 +77,7 @@ def main() -> None:
     guard = torch.inference_mode()  # the runner's tensors are inference tensors
     guard.__enter__()
     # 2. Device time of one replayed decode step.
-    runner = engine.runner
+    runner = engine.executor
     graphs = runner.graphs
     bs = runner.block_size
     if graphs is not None:

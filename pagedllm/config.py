@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 # Seed-article spellings -> vLLM spellings.
 ALIASES = {
@@ -20,6 +20,13 @@ ALIASES = {
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # CPU pool when the user sets nothing: 2 GiB
+# Tokens per step when the user sets no budget: a GPU step this size keeps the matmuls
+# compute-bound; a CPU step is bound by the weights anyway, and smaller steps keep
+# streams flowing.
+DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+DEFAULT_MAX_POSITIONS = 2048  # a model config that names no limit
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+                "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 def default_model_path() -> str:
@@ -35,6 +42,13 @@ def default_model_path() -> str:
     if not os.path.exists(path):
         raise RuntimeError(f"default model file missing: {path}")
     return path
+
+
+def dtype_name(name: str) -> str:
+    """torch's name for a dtype spelling users write ('half' -> 'float16')."""
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be auto|float32|float16|bfloat16, got {name!r}")
+    return _DTYPE_NAMES[name]
 
 
 def parse_bytes(value: str | int | float | None) -> int | None:
@@ -78,6 +92,8 @@ class EngineConfig:
     # the step itself, so there is nothing to overlap).
     async_scheduling: bool | None = None
     hf_overrides: dict = field(default_factory=dict)
+    # Set by resolve(): every default above has been filled in from the model and device.
+    resolved: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -124,6 +140,35 @@ class EngineConfig:
                              f"{self.distributed_executor_backend!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+
+    def resolve(self, hf_config, cuda_available: bool) -> EngineConfig:
+        """A copy with every default filled once, from the model's config and the device:
+        device, dtype, max_model_len, max_num_batched_tokens and async_scheduling. The
+        engine, its workers, executors and `pagedllm plan` read these values and decide
+        nothing again. Raises ValueError for a setting the model cannot take."""
+        if self.resolved:
+            return self
+        device = self.device or ("cuda" if cuda_available else "cpu")
+        kind = device.split(":")[0]
+        limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+        max_model_len = self.max_model_len or limit
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+        if self.dtype != "auto":
+            dtype = dtype_name(self.dtype)
+        elif kind != "cuda":
+            dtype = "float32"  # CPU half-precision matmuls are slow or missing
+        else:
+            named = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+            named = str(named).replace("torch.", "") if named is not None else ""
+            dtype = named if named in ("float16", "bfloat16") else "bfloat16"
+        budget = self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(kind, 2048)
+        one_device = self.tensor_parallel_size == 1 and self.distributed_executor_backend is None
+        asyn = self.async_scheduling
+        if asyn is None:  # overlap needs a device that computes apart from the host
+            asyn = kind == "cuda" and one_device
+        return replace(self, device=device, dtype=dtype, max_model_len=max_model_len,
+                       max_num_batched_tokens=budget, async_scheduling=asyn, resolved=True)
 
     @property
     def model_name(self) -> str:

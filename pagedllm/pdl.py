@@ -2,20 +2,20 @@
 
 A decode step at small batch is a chain of about ten short kernels a layer, each reading
 what the one before wrote. Launched plainly, a kernel is placed only when the one before
-has drained, then computes its addresses and sends its first loads: a few microseconds a
-kernel in which the memory does nothing. Launched with PDL (`launch(x)`), a kernel is
+has drained, then computes its addresses and sends its first loads: time, every kernel,
+in which the memory does nothing. Launched with PDL (`launch(x)`), a kernel is
 placed while the one before still runs, once that one has said so
 (`griddepcontrol.launch_dependents`, which every kernel here says at its start), and
 waits (`griddepcontrol.wait`: the kernel before has finished and its writes are
 visible) before it touches memory the step writes. mma_w4a16 loads its first weights
 before it waits, the one thing no kernel of the step writes.
 
-Which kernels launch so, from Llama-2-7B's decode step on an H200 (benchmarks/results):
-the norms, rotary, the KV write, attention, SiLU-and-mul and mma_w4a16 (batch 1: 2.58 to
-2.41 ms a step in 4-bit, 4.37 to 4.30 in bf16; batch 16: 3.05 to 2.93, and 4.61 to 4.49).
-The Triton W4A16 kernels only let the next kernel be placed: launched with PDL themselves
-they were slower (batch 16: 3.01 ms against 2.93), their pipelined loads cannot be put
-before the wait. L2 prefetches of the first tiles before the wait were slower too.
+Which kernels launch so was measured on Llama-2-7B's decode step (the figures are in
+benchmarks/results): the norms, rotary, the KV write, attention, SiLU-and-mul and
+mma_w4a16, which made the step faster in 4-bit and in bf16. The Triton W4A16 kernels only
+let the next kernel be placed: launched with PDL themselves they were slower, their
+pipelined loads cannot be put before the wait. L2 prefetches of the first tiles before the
+wait were slower too.
 
 Captured CUDA graphs keep the launch attribute, so the replayed step overlaps the same
 way. PAGEDLLM_PDL=0 turns it off (every kernel then launches as before).
@@ -23,7 +23,7 @@ way. PAGEDLLM_PDL=0 turns it off (every kernel then launches as before).
 The wait's result is a 0 (to the compiler a multiple of 64) that a kernel adds to the
 pointers it reads the step's data through: those loads then depend on the wait, and no
 compiler can move them above it, and the pointers keep their alignment (without the 64
-the loads lost their vector width: the 4-bit step at batch 16 took 4.9 ms)."""
+the loads lost their vector width, and the step was much slower)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Test-side converters: a float Hugging Face Llama -> GPTQ / AWQ / GGUF checkpoints.
 
-Written from the format facts (shared/reference/FORMATS.md), in numpy and independently of
+Written from the format facts (the project's format notes), in numpy and independently of
 pagedllm's own unpacking, so a loader bug cannot cancel out a packer bug. Every converter
 also returns the float weights the quantized checkpoint stands for (the exact
 dequantization of the integers it wrote); a Hugging Face model holding those weights is

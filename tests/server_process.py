@@ -67,3 +67,23 @@ def launch_server(log_dir: Path, flags: list[str], api_key: str | None = None,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+def descendants(pid: int, depth: int | None = None) -> list[int]:
+    """Every live process below `pid` (the server's engine core, and its workers), or
+    those at most `depth` levels below."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().split(")")[-1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    found, frontier = [], [pid]
+    while frontier and depth != 0:
+        kids = [p for p, parent in parents.items() if parent in frontier]
+        found += kids
+        frontier = kids
+        depth = None if depth is None else depth - 1
+    return found

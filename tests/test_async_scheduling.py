@@ -84,7 +84,7 @@ def test_penalties_run_in_step_next_to_async_requests(pair):
                             repetition_penalty=1.3 if i % 2 else 1.0, presence_penalty=0.5 if i % 3 == 0 else 0.0)
              for i in range(6)]
     assert_same(pair[0].generate(ps, plist), pair[1].generate(ps, plist))
-    assert not pair[1].engine._penalized
+    assert not pair[1].engine.core._penalized
 
 
 def test_preemption_and_chunked_prefill_match(tiny_models):
@@ -121,7 +121,7 @@ def test_abort_with_a_step_in_flight(pair):
                 done[o.request_id] = o
         steps += 1
         if steps == 3:
-            assert eng._inflight is not None
+            assert eng.core._inflight is not None
             with pytest.raises(ValueError, match="in use"):  # aborted, but its step still runs
                 eng.add_request("r1", None, [1, 2], params)
             eng.abort_request("r1")
@@ -142,7 +142,7 @@ def test_non_finite_logits_fail_one_request_alone(tiny_models, monkeypatch):
     ps = prompts(5, base=200)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     ref = sync.generate(ps, params)
-    model = asyn.engine.runner.model
+    model = asyn.engine.executor.model
     forward = model.forward
 
     def poisoned(ids, *args):

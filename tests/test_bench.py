@@ -1,15 +1,25 @@
-"""`pagedllm bench throughput`: the workloads match BENCHMARKS.md, the dataset is the same
+"""`pagedllm bench throughput`: the workloads match the benchmark notes, the dataset is the same
 for every backend, the counts are exact, and the JSON carries what a result needs."""
 
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
+import threading
+import time
 
 import pytest
+import torch
 
 from pagedllm.entrypoints.bench import add_bench_parser, build_parser, main
-from pagedllm.entrypoints.bench_roofline import H200_BANDWIDTH_TBPS, H200_MATMUL_TFLOPS, roofline
+from pagedllm.entrypoints.bench_roofline import (
+    H200,
+    ceilings,
+    known_card,
+    measure_ceilings,
+    roofline,
+)
 from pagedllm.entrypoints.bench_throughput import resolve_config
 from pagedllm.entrypoints.bench_workloads import (
     LLAMA2_7B_CONFIG,
@@ -80,8 +90,8 @@ def test_random_dataset_is_reproducible_and_in_range():
     assert {len(p) for p in a.prompts} == set(range(3, 10))  # both ends are reachable
 
 
-def test_roofline_matches_benchmarks_md():
-    """BENCHMARKS.md: about 13,000 tok/s for gpu-7b and 40,000 for gpu-0.6b on an H200."""
+def test_roofline_matches_the_benchmark_notes():
+    """The project's benchmark notes: about 13,000 tok/s for gpu-7b and 40,000 for gpu-0.6b on an H200."""
     from transformers import AutoConfig
 
     def roof(arch: dict, workload: str) -> float:
@@ -90,10 +100,41 @@ def test_roofline_matches_benchmarks_md():
         w = WORKLOADS[workload]
         data = random_dataset(w.num_prompts, w.input_range, w.output_range, 1000, 0)
         return roofline(cfg, 2, [len(p) for p in data.prompts], data.output_lens, 256,
-                        H200_BANDWIDTH_TBPS, H200_MATMUL_TFLOPS)["output_tokens_per_s"]
+                        H200.bandwidth_tbps, H200.matmul_tflops)["output_tokens_per_s"]
 
     assert 12_000 < roof(LLAMA2_7B_CONFIG, "gpu-7b") < 14_000
     assert 33_000 < roof(QWEN3_0_6B_CONFIG, "gpu-0.6b") < 45_000
+
+
+def test_ceilings_are_the_cards_own():
+    """The roofline uses what this card measured; flags override; the reference of a known
+    card is recorded beside, and a CPU has no roofline unless both flags are given."""
+    assert known_card("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert known_card("NVIDIA H200").name == "H200"
+    assert known_card("NVIDIA H100 PCIe") is None and known_card("Intel Xeon") is None
+    cuda = torch.device("cuda")
+
+    def fake(device):
+        return {"bandwidth_TBps": 2.9, "matmul_TFLOPs": 770.0}
+
+    c = ceilings(cuda, "NVIDIA H100 80GB HBM3", None, None, measure=fake)
+    assert (c["bandwidth_TBps"], c["matmul_TFLOPs"]) == (2.9, 770.0)
+    assert c["source"] == {"bandwidth": "measured", "matmul": "measured"}
+    assert c["reference"]["name"] == "H100 SXM" and c["device_name"] == "NVIDIA H100 80GB HBM3"
+    c = ceilings(cuda, "NVIDIA H200", 4.0, None, measure=fake)
+    assert (c["bandwidth_TBps"], c["matmul_TFLOPs"], c["source"]["bandwidth"]) == (4.0, 770.0, "flag")
+    cpu = torch.device("cpu")
+    assert ceilings(cpu, "Xeon", None, None, measure=fake) is None
+    assert ceilings(cpu, "Xeon", 0.1, None, measure=fake) is None
+    c = ceilings(cpu, "Xeon", 0.1, 2.0, measure=fake)
+    assert c["measured"] is None and c["reference"] is None and c["bandwidth_TBps"] == 0.1
+
+
+def test_measure_ceilings_counts_bytes_and_flops():
+    """Small sizes on CPU: the same code path as the card's, positive finite figures."""
+    m = measure_ceilings(torch.device("cpu"), copy_bytes=1 << 20, matmul_n=64, repeats=2)
+    assert m["bandwidth_TBps"] > 0 and m["matmul_TFLOPs"] > 0
+    assert m["copy_bytes"] == 1 << 20 and m["matmul_shape"] == [64, 64, 64]
 
 
 def test_add_bench_parser_wires_into_a_cli():
@@ -113,9 +154,16 @@ def test_throughput_on_dummy_weights_writes_exact_counts(tmp_path, tp):
     args = _parse("--model", model, "--load-format", "dummy", "--num-prompts", "5",
                   "--input-len", "12", "--output-len", "7", "--warmup", "2",
                   "--num-kv-blocks", "64", "--device", "cpu", "--output-json", str(out),
-                  "--tensor-parallel-size", str(tp))
+                  "--tensor-parallel-size", str(tp), "--peak-bandwidth", "0.05",
+                  "--peak-tflops", "1")
     assert main(args) == 0
     result = json.loads(out.read_text())
+    # On CPU the flags alone make a roofline: their values, and the device it was for.
+    c, roof = result["ceilings"], result["roofline"]
+    assert c["source"] == {"bandwidth": "flag", "matmul": "flag"} and c["measured"] is None
+    assert (roof["bandwidth_TBps"], roof["matmul_TFLOPs"]) == (0.05, 1.0)
+    assert roof["device_name"] == c["device_name"] == result["environment"]["device_name"]
+    assert 0 < roof["achieved_fraction"]
     r = result["results"]["pagedllm"]
     assert r["num_requests"] == 5 and r["output_tokens"] == 5 * 7 and r["prompt_tokens"] == 5 * 12
     assert r["output_tokens_per_s"] == pytest.approx(35 / r["elapsed_s"], rel=1e-2)
@@ -157,3 +205,93 @@ def test_hf_static_cache_runs_on_cpu(tiny_models):
     hf = result["results"]["hf"]
     assert hf["static_cache"] is True and hf["compiled"] is False
     assert hf["output_tokens"] == result["workload"]["output_tokens"]
+
+
+# ---------------------------------------------------------------------- bench serve
+class _FakeServer(http.server.BaseHTTPRequestHandler):
+    """Streams `max_tokens` one-character completions, 2 ms apart with every eighth gap
+    30 ms: a known ITL shape, without loading a model."""
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+    def _json(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._json({"data": [{"id": "fake"}]} if self.path == "/v1/models" else {"version": "0"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+        n = body["max_tokens"]
+        for i in range(n):
+            time.sleep(0.03 if i % 8 == 7 else 0.002)
+            self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+            self.wfile.flush()
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture()
+def fake_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _offline_result(path, device: str = "NVIDIA H100 80GB HBM3") -> str:
+    """An offline `bench throughput` result as run_throughput writes it (the keys read)."""
+    path.write_text(json.dumps({
+        "benchmark": "throughput",
+        "environment": {"device_name": device, "date": "2026-12-05T00:00:00+00:00",
+                        "git": {"commit": "a" * 40, "short": "aaaaaaa", "dirty": False}},
+        "workload": {"name": "gpu-7b", "num_prompts": 256, "input_len_range": [12, 12],
+                     "output_len_range": [16, 16]},
+        "results": {"pagedllm": {"output_tokens_per_s": 1000.0}},
+    }))
+    return str(path)
+
+
+def test_bench_serve_sets_the_offline_figure_beside_its_own(fake_server, tmp_path):
+    """One serve result holds the offline tok/s, served / offline, the offline run's card,
+    and the ITL's p99 / median."""
+    offline = _offline_result(tmp_path / "offline.json")
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args([
+        "serve", "--base-url", fake_server, "--num-prompts", "4", "--input-len", "12",
+        "--output-len", "16", "--max-concurrency", "2", "--warmup", "1", "--prompt-vocab-size",
+        "100", "--offline-json", offline, "--output-json", str(out)])
+    assert main(args) == 0
+    saved = json.loads(out.read_text())
+    r = saved["results"]
+    assert (r["completed"], r["total_output_tokens"]) == (4, 64), saved["errors"]
+    assert r["offline_output_throughput"] == 1000.0
+    assert r["offline_ratio"] == pytest.approx(r["output_throughput"] / 1000.0, rel=1e-3)
+    assert r["server_device"] == "NVIDIA H100 80GB HBM3"
+    assert r["itl_p99_over_median"] == pytest.approx(r["p99_itl_ms"] / r["median_itl_ms"],
+                                                     rel=1e-2)
+    assert r["itl_p99_over_median"] > 2  # the 30 ms gaps against the 2 ms ones
+    assert saved["offline"]["path"] == offline and saved["offline"]["commit"] == "aaaaaaa"
+    assert saved["offline"]["workload"]["output_len_range"] == [16, 16]
+
+
+def test_bench_serve_rejects_a_file_that_is_not_an_offline_result(tmp_path):
+    """Checked before the run: no server is needed to find out."""
+    bad = tmp_path / "serve.json"
+    bad.write_text(json.dumps({"benchmark": "serve", "results": {"output_throughput": 1.0}}))
+    args = build_parser().parse_args(["serve", "--base-url", "http://127.0.0.1:9",
+                                      "--offline-json", str(bad)])
+    with pytest.raises(SystemExit, match="not a `bench throughput` result"):
+        main(args)

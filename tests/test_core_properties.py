@@ -4,7 +4,8 @@ A fake model samples random tokens; after every step we check: no block is owned
 or leaked (ref counts equal table membership, free + owned = pool), the token budget and
 the sequence cap hold, and in the end every request finishes and the pool is whole. With
 `lookahead` each step is scheduled before the previous one's tokens come back, as async
-scheduling does.
+scheduling does. The scheduler outputs are also replayed into the worker's `BlockTables`,
+whose copy of every running request's table must equal the block manager's.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from pagedllm.core.block_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.worker.block_table import BlockTables
 
 
 def check_pool(kv: KVCacheManager) -> None:
@@ -64,6 +66,7 @@ def test_scheduler_invariants(w):
             continue
         reqs.append(req)
     in_flight = None  # (scheduler output, sampled tokens) of the step not yet taken in
+    worker = BlockTables(2, rows=2)  # small, so that rows and columns grow during the run
     for _ in range(5000):
         if not sched.has_unfinished() and in_flight is None:
             break
@@ -72,10 +75,13 @@ def test_scheduler_invariants(w):
         assert sum(c.num_tokens for c in out.chunks) == out.num_batched_tokens
         assert len(sched.running) <= w["max_seqs"]
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
+        worker.update(out.finished_req_ids, out.chunks)
+        for req in sched.running:  # the worker's tables are the block manager's
+            assert worker.block_ids(req.request_id) == kv.block_table(req.request_id)
         for c in out.chunks:
             req = sched.requests[c.request_id]
             # Every token of the chunk has a slot in the request's blocks.
-            assert len(c.block_table) * kv.block_size >= c.start + c.num_tokens
+            assert len(worker.block_ids(c.request_id)) * kv.block_size >= c.start + c.num_tokens
             # Nothing past the tokens sampled so far (known or in flight) is computed.
             assert c.start + c.num_tokens <= req.num_tokens + req.num_pending
             assert req.num_pending <= 2
@@ -100,6 +106,9 @@ def test_scheduler_invariants(w):
             assert r.num_tokens <= max_len
     assert kv.num_free_blocks == kv.num_blocks
     assert not kv.tables
+    out = sched.schedule()  # delivers the last finished ids
+    worker.update(out.finished_req_ids, out.chunks)
+    assert len(worker) == 0 and not worker.num_blocks.any() and not worker.table.any()
 
 
 def test_prefix_blocks_shared_and_refcounted():

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from test_metrics import MODEL, NUM_BLOCKS, Server, running_server, wait_for
 
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.messages import SchedulerStats
 from pagedllm.entrypoints.openai.dashboard import DashboardSampler
 from pagedllm.metrics import EngineMetrics
 
@@ -32,8 +32,8 @@ def test_sampler_rates_window_and_ring():
     metrics = EngineMetrics("m")
     state = {"queries": 0, "hits": 0, "running": 2}
 
-    def stats() -> EngineStats:
-        return EngineStats(state["running"], 1, 0.25, 100, 75, state["queries"], state["hits"], 0)
+    def stats() -> SchedulerStats:
+        return SchedulerStats(state["running"], 1, 0.25, 100, 75, state["queries"], state["hits"], 0)
 
     def sample(mono: float):
         metrics.update_pool(stats())  # what the engine loop does each step
@@ -79,7 +79,7 @@ def test_sampler_rates_window_and_ring():
 def test_sampler_stops_quietly_on_a_broken_engine(caplog):
     import asyncio
 
-    def broken() -> EngineStats:
+    def broken() -> SchedulerStats:
         raise RuntimeError("no stats here")
 
     sampler = DashboardSampler(broken, lambda: EngineMetrics("m").registry, "m")

@@ -88,7 +88,7 @@ def test_cuda_graphs_match_eager(tiny_models):
     for eager in (False, True):
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda",
                   num_kv_blocks=512, enforce_eager=eager, max_num_seqs=64)
-        assert (llm.engine.runner.runner.graphs is None) == eager
+        assert (llm.engine.executor.runner.graphs is None) == eager
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outs[0] == outs[1]
 
@@ -107,7 +107,7 @@ def test_cuda_async_scheduling_matches_in_step(tiny_models):
         for blocks in (512, 48):  # 48 blocks of 16: preemptions
             llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda",
                       num_kv_blocks=blocks, async_scheduling=asyn, max_num_seqs=64)
-            assert llm.engine.async_scheduling == asyn and llm.engine.runner.runner.graphs is not None
+            assert llm.engine.async_scheduling == asyn and llm.engine.executor.runner.graphs is not None
             outs = llm.generate(prompts, plist)
             runs.append([[(o.token_ids, [sorted(d) for d in (o.logprobs or [])]) for o in r.outputs]
                          for r in outs])

@@ -64,14 +64,14 @@ def test_parity_with_chunked_prefill(tiny_models, arch):
               max_num_batched_tokens=7)
     engine = llm.engine
     seen_chunked = []
-    step = engine.runner.execute
+    step = engine.executor.execute
 
     def spy(so):
         seen_chunked.extend(c.num_tokens for c in so.chunks if c.num_tokens > 1 and not c.sample)
         assert so.num_batched_tokens <= 7
         return step(so)
 
-    engine.runner.execute = spy
+    engine.executor.execute = spy
     _check(llm, hf, _prompts(4, seed=3, lo=15, hi=40))
     assert seen_chunked, "a 7-token budget must split the prompts"
 

@@ -214,18 +214,17 @@ def test_gauges_while_a_long_stream_runs(server: Server):
 
 # ---------------------------------------------------------------------- the key rule
 class _StandInEngine:
-    """What build_app needs of an AsyncEngine, with the real metrics registry."""
+    """What build_app needs of an AsyncLLM, with the real metrics registry."""
 
     def __init__(self) -> None:
-        from pagedllm.engine.llm_engine import EngineStats
+        from pagedllm.engine.messages import SchedulerStats
         from pagedllm.metrics import EngineMetrics
 
         self.tokenizer = None
         self.max_model_len = MAX_LEN
         self.is_healthy = True
-        self.engine = type("LLMEngine", (), {})()
-        self.engine.metrics = EngineMetrics(MODEL)
-        self._stats = EngineStats(0, 0, 0.0, NUM_BLOCKS, NUM_BLOCKS, 0, 0, 0)
+        self.metrics = EngineMetrics(MODEL)
+        self._stats = SchedulerStats(0, 0, 0.0, NUM_BLOCKS, NUM_BLOCKS, 0, 0, 0)
 
     def stats(self):
         return self._stats

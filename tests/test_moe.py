@@ -50,7 +50,7 @@ def _matches(results, hf, prompts) -> bool:
 
 
 def _blocks(llm: LLM) -> list[SparseMoeBlock]:
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
@@ -144,7 +144,7 @@ def test_tp2_moe_equals_tp1(tiny_models):
     want = _run(LLM(path, **kw), prompts)
     llm = LLM(path, tensor_parallel_size=2, **kw)
     try:
-        assert type(llm.engine.runner).__name__ == "MultiprocExecutor"
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
         got = _run(llm, prompts)
     finally:
         llm.engine.shutdown()
@@ -165,7 +165,7 @@ def test_cuda_moe_with_graphs_matches_eager_and_hf(tiny_models, model_type):
     for eager in (False, True):
         llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda",
                   num_kv_blocks=256, enforce_eager=eager, max_num_seqs=16)
-        assert (llm.engine.runner.runner.graphs is None) == eager
+        assert (llm.engine.executor.runner.graphs is None) == eager
         runs.append(_run(llm, prompts))
     assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
     for p, (toks, lps) in zip(prompts, runs[0], strict=True):

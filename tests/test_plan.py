@@ -17,7 +17,7 @@ def test_plan_matches_engine_pool_and_parameters(tiny_models, arch):
               kv_cache_memory=3_000_000)
     assert f32.format == "float32"
     assert f32.kv_blocks == llm.engine.kv.num_blocks
-    assert f32.weights_bytes == llm.engine.runner.weight_bytes
+    assert f32.weights_bytes == llm.engine.executor.weight_bytes
     assert info["parameters"] == sum(p.numel() for p in hf.parameters())
     linear, other = count_parameters(hf.config)
     assert linear + other == info["parameters"]

@@ -192,7 +192,7 @@ def test_quantized_model_matches_hf(float_model, tmp_path, spec):
     ref = reference_model(hf, write_quantized_checkpoint(hf, str(tmp_path), spec))
     llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
     assert_parity(llm, ref, prompts(3, seed=7))
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     layers = [m for m in model.modules() if _quantized(m)]
     assert _quantized(model.lm_head) == (isinstance(spec, GPTQSpec) and spec.lm_head)
     assert len(layers) == 2 * 4 + (1 if _quantized(model.lm_head) else 0)
@@ -224,15 +224,15 @@ def test_weight_memory_counts_packed_tensors(float_model, tmp_path):
     write_quantized_checkpoint(hf, str(tmp_path), GPTQSpec(4, 32, sym=False, act_order=True))
     q = LLM(model=str(tmp_path), skip_tokenizer_init=True, num_kv_blocks=16)
     f = LLM(model=float_path, skip_tokenizer_init=True, num_kv_blocks=16)
-    model = q.engine.runner.model
+    model = q.engine.executor.model
     packed = sum(p.numel() * p.element_size() for m in model.modules() if _quantized(m)
                  for p in m.parameters())
-    linear_float = sum(m.weight.numel() * 4 for m in f.engine.runner.model.modules()
-                       if isinstance(m, LinearBase) and m is not f.engine.runner.model.lm_head)
+    linear_float = sum(m.weight.numel() * 4 for m in f.engine.executor.model.modules()
+                       if isinstance(m, LinearBase) and m is not f.engine.executor.model.lm_head)
     # int32 words + fp16 scales + packed zeros + int32 act-order permutation, no float copy
     assert packed < linear_float / 4
-    float_rest = f.engine.runner.weight_bytes - linear_float
-    assert q.engine.runner.weight_bytes == float_rest + packed
+    float_rest = f.engine.executor.weight_bytes - linear_float
+    assert q.engine.executor.weight_bytes == float_rest + packed
     assert q.engine.describe()["weights_GiB"] < f.engine.describe()["weights_GiB"]
 
 
@@ -295,7 +295,7 @@ def test_dummy_weights_with_quantization(tmp_path, method):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(tmp_path), load_format="dummy", quantization=method, skip_tokenizer_init=True,
               num_kv_blocks=32)
-    layers = [m for m in llm.engine.runner.model.modules() if _quantized(m)]
+    layers = [m for m in llm.engine.executor.model.modules() if _quantized(m)]
     assert len(layers) == 8 and all(isinstance(m.method, PackedMethod) for m in layers)
     w = layers[0].dequantized_weight()
     assert 0.01 < w.std().item() < 0.04 and abs(w.mean().item()) < 0.005

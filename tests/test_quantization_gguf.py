@@ -92,7 +92,7 @@ def test_gguf_packed_matches_dequantized(hf_llama, tmp_path, monkeypatch, qtype,
     floats = LLM(model=path, **kw)
     monkeypatch.setattr(gguf_file, "PACK_ON_CPU", True)
     packed = LLM(model=path, **kw)
-    fm, pm = floats.engine.runner.model, packed.engine.runner.model
+    fm, pm = floats.engine.executor.model, packed.engine.executor.model
     layers = _linear_layers(pm)
     assert len(layers) == 4 * hf_llama.config.num_hidden_layers
     for name, m in layers.items():
@@ -102,7 +102,7 @@ def test_gguf_packed_matches_dequantized(hf_llama, tmp_path, monkeypatch, qtype,
     # Embeddings and the output head stay float.
     assert not any(isinstance(m, LinearBase) and m.quant is not None for n, m in pm.named_modules()
                    if n not in layers)
-    assert packed.engine.runner.weight_bytes < floats.engine.runner.weight_bytes
+    assert packed.engine.executor.weight_bytes < floats.engine.executor.weight_bytes
     prompt_ids = prompts(2, seed=7)
     for (ft, flp), (pt, plp) in zip(_greedy(floats, prompt_ids), _greedy(packed, prompt_ids), strict=True):
         assert pt == ft
@@ -130,7 +130,7 @@ def test_gguf_mixed_linear_types_fall_back(hf_llama, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_file, "PACK_ON_CPU", True)
     assert gguf_file.gguf_quant_config(path, torch.device("cpu")) is None
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
-    assert not any(isinstance(m, LinearBase) and m.quant is not None for m in llm.engine.runner.model.modules())
+    assert not any(isinstance(m, LinearBase) and m.quant is not None for m in llm.engine.executor.model.modules())
     state = dict(gguf_file.gguf_weights(path, gguf_file.gguf_config(path)))
     assert_parity(llm, reference_model(hf_llama, state), prompts(2, seed=9), max_new=6)
 
@@ -147,7 +147,7 @@ def test_gguf_packed_on_cuda_by_default(hf_llama, tmp_path, qtype, bits):
     kw = dict(skip_tokenizer_init=True, block_size=16, num_kv_blocks=64, dtype="float32")
     cpu = LLM(model=path, device="cpu", **kw)
     gpu = LLM(model=path, device="cuda", **kw)
-    layers = _linear_layers(gpu.engine.runner.model)
+    layers = _linear_layers(gpu.engine.executor.model)
     assert all(isinstance(m.method, GGUFPackedMethod) and m.quant.bits == bits and m.method.tile_k
                for m in layers.values())
     prompt_ids = prompts(3, seed=9)

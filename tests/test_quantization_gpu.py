@@ -84,7 +84,7 @@ def test_quantized_layer_stays_packed_on_cuda(tiny_models, tmp_path):
     finally:
         tw.wna16_matmul = real
     assert calls, "the Triton kernel was not used"
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+    layers = [m for m in llm.engine.executor.model.modules() if isinstance(m, LinearBase) and m.quant is not None]
     assert layers and all(isinstance(m.method, PackedMethod) and m.method._dequantized is None
                           and m.qweight.dtype == torch.int32 and m.method.tile_k for m in layers)
     for p, o in zip(prompts, outs, strict=True):

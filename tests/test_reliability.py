@@ -26,7 +26,7 @@ import uvicorn
 from server_process import free_port
 
 from pagedllm.config import EngineConfig, default_model_path
-from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.async_engine import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.cli_args import ServerLimits
 
@@ -44,7 +44,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny random llama over SmolLM2's vocabulary, with its tokenizer and chat template."""
     from hf_models import save_tiny_model
 
-    from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
+    from pagedllm.tokenizers import gguf_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-smol")
     tok = gguf_tokenizer(default_model_path())
@@ -53,13 +53,13 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def make_engine(path: str) -> AsyncEngine:
-    return AsyncEngine.from_config(EngineConfig(model=path, served_model_name=[MODEL],
-                                                max_model_len=MAX_LEN, num_kv_blocks=NUM_BLOCKS))
+def make_engine(path: str) -> AsyncLLM:
+    return AsyncLLM(EngineConfig(model=path, served_model_name=[MODEL],
+                                                max_model_len=MAX_LEN, num_kv_blocks=NUM_BLOCKS), in_process=True)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir) -> Iterator[AsyncEngine]:
+def engine(tiny_dir) -> Iterator[AsyncLLM]:
     e = make_engine(tiny_dir)
     yield e
     e.shutdown()
@@ -84,7 +84,7 @@ def serve(app) -> Iterator[str]:
         thread.join(timeout=15)
 
 
-def make_app(engine: AsyncEngine, **kwargs):
+def make_app(engine: AsyncLLM, **kwargs):
     kwargs.setdefault("api_key", API_KEY)
     return build_app(engine, engine.config, **kwargs)
 
@@ -100,7 +100,7 @@ def http(url: str, **kw) -> httpx.Client:
     return httpx.Client(base_url=url, headers=AUTH, timeout=30, **kw)
 
 
-def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+def wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
     """Until nothing runs or waits and every block is back in the pool."""
     deadline = time.monotonic() + timeout
     while True:
@@ -140,17 +140,17 @@ def completion(prompt, **kw) -> dict:
 
 
 @contextlib.contextmanager
-def slow_steps(engine: AsyncEngine, seconds: float) -> Iterator[None]:
-    step = engine.engine.step
-    engine.engine.step = lambda: (time.sleep(seconds), step())[1]
+def slow_steps(engine: AsyncLLM, seconds: float) -> Iterator[None]:
+    step = engine.core.step
+    engine.core.step = lambda: (time.sleep(seconds), step())[1]
     try:
         yield
     finally:
-        del engine.engine.step  # the class's method again
+        del engine.core.step  # the class's method again
 
 
-def failed_requests(engine: AsyncEngine) -> float:
-    return engine.engine.metrics.registry.get_sample_value(
+def failed_requests(engine: AsyncLLM) -> float:
+    return engine.metrics.registry.get_sample_value(
         "pagedllm:request_success_total", {"model_name": MODEL, "finished_reason": "error"}) or 0
 
 
@@ -167,7 +167,7 @@ def test_nan_logits_fail_that_request_alone(engine, url, monkeypatch):
              for i in range(6)]
     with http(url) as c:
         alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in clean]
-    runner = engine.engine.runner
+    runner = engine.core.executor
     forward = runner.model.forward
 
     def poisoned(ids, *args):
@@ -207,7 +207,7 @@ def test_nan_logits_fail_that_request_alone(engine, url, monkeypatch):
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(engine, url, monkeypatch):
-    runner = engine.engine.runner
+    runner = engine.core.executor
     execute = runner.execute
     armed = threading.Event()
 
@@ -237,7 +237,7 @@ def test_an_engine_that_cannot_go_on_is_unhealthy_and_fails_fast(tiny_dir, monke
         def broken(so):
             raise RuntimeError("CUDA error: an illegal memory access at /home/secret/a.py")
 
-        monkeypatch.setattr(engine.engine.runner, "execute", broken)
+        monkeypatch.setattr(engine.core.executor, "execute", broken)
         with serve(make_app(engine)) as u, http(u) as c:
             codes = [c.post("/v1/completions", json=completion("Hi", max_tokens=3)).json()
                      ["error"]["code"] for _ in range(engine.max_step_failures)]
@@ -265,7 +265,7 @@ def test_an_engine_loop_failure_ends_streams_with_an_error(tiny_dir, monkeypatch
             with slow_steps(engine, 0.01), c.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))
-                monkeypatch.setattr(engine.engine.scheduler, "schedule",
+                monkeypatch.setattr(engine.core.scheduler, "schedule",
                                     lambda: 1 / 0)
                 rest = [line[6:] for line in lines if line.startswith("data: ")]
             assert rest[-1] == "[DONE]"
@@ -312,8 +312,8 @@ def test_internal_errors_show_no_traceback_or_path(engine, url, monkeypatch):
 def test_waiting_requests_are_capped_with_503_and_retry_after(engine, monkeypatch):
     app = make_app(engine, limits=ServerLimits(max_waiting_requests=2))
     gate = threading.Event()
-    step = engine.engine.step
-    monkeypatch.setattr(engine.engine, "step", lambda: (gate.wait(20), step())[1])
+    step = engine.core.step
+    monkeypatch.setattr(engine.core, "step", lambda: (gate.wait(20), step())[1])
     body = completion("Hello", max_tokens=3)
     with serve(app) as u, http(u) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
         queued = [pool.submit(c.post, "/v1/completions", json=body) for _ in range(2)]
@@ -641,8 +641,8 @@ def test_bench_serve_on_random_weights_with_a_word_tokenizer(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     ids = [0, 299, 17, 42]
     assert tok.decode(ids) == "w0 w299 w17 w42" and tok.encode("w0 w299 w17 w42", add_special_tokens=False) == ids
-    e = AsyncEngine.from_config(EngineConfig(model=path, load_format="dummy", served_model_name=[MODEL],
-                                             num_kv_blocks=64))
+    e = AsyncLLM(EngineConfig(model=path, load_format="dummy", served_model_name=[MODEL],
+                                             num_kv_blocks=64), in_process=True)
     out = tmp_path / "serve.json"
     try:
         with serve(make_app(e, api_key=None)) as u:
@@ -661,10 +661,10 @@ def test_async_scheduling_engine_serves_aborts_and_times_out_cleanly(tiny_dir):
     """The server over an engine with async scheduling on (the CUDA default, forced here
     on CPU): concurrent answers equal the ones given alone, clients that leave and
     requests that time out free every block while a step may still be in flight."""
-    e = AsyncEngine.from_config(EngineConfig(model=tiny_dir, served_model_name=[MODEL], max_model_len=MAX_LEN,
-                                             num_kv_blocks=NUM_BLOCKS, async_scheduling=True))
+    e = AsyncLLM(EngineConfig(model=tiny_dir, served_model_name=[MODEL], max_model_len=MAX_LEN,
+                                             num_kv_blocks=NUM_BLOCKS, async_scheduling=True), in_process=True)
     try:
-        assert e.engine.async_scheduling
+        assert e.core.async_scheduling
         bodies = [completion([100 + i, 200 + i, 300 + i], max_tokens=10, ignore_eos=True) for i in range(6)]
         with serve(make_app(e, limits=ServerLimits(request_timeout=0.5))) as u, http(u) as c:
             alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]

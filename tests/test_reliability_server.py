@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_process import launch_server
+from server_process import descendants, launch_server
 
 API_KEY = "load-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -39,17 +39,19 @@ class Server:
     proc: subprocess.Popen
 
     def rss_bytes(self) -> tuple[int, int]:
-        """(resident bytes outside the KV pool, resident bytes of the KV pool). On CPU the
-        pool is one shared anonymous mapping ('/dev/zero (deleted)', 2 GiB by default) whose
-        pages become resident as blocks are first used: the pool filling, not memory lost."""
+        """(resident bytes outside the KV pool, resident bytes of the KV pool), over the
+        server and its engine core process. On CPU the pool is one shared anonymous mapping
+        ('/dev/zero (deleted)', 2 GiB by default) whose pages become resident as blocks are
+        first used: the pool filling, not memory lost."""
         mappings: list[list] = []  # [name, size, rss]
-        with open(f"/proc/{self.proc.pid}/smaps") as f:
-            for line in f:
-                head = line.split()
-                if not head[0].endswith(":"):  # a new mapping: address range, ..., path
-                    mappings.append([" ".join(head[5:]), 0, 0])
-                elif head[0] in ("Size:", "Rss:"):
-                    mappings[-1][1 if head[0] == "Size:" else 2] = int(head[1]) * 1024
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            with open(f"/proc/{pid}/smaps") as f:
+                for line in f:
+                    head = line.split()
+                    if not head[0].endswith(":"):  # a new mapping: address range, ..., path
+                        mappings.append([" ".join(head[5:]), 0, 0])
+                    elif head[0] in ("Size:", "Rss:"):
+                        mappings[-1][1 if head[0] == "Size:" else 2] = int(head[1]) * 1024
         kv = max((m for m in mappings if m[0] == "/dev/zero (deleted)"), key=lambda m: m[1])
         return sum(m[2] for m in mappings) - kv[2], kv[2]
 

@@ -327,14 +327,14 @@ def test_client_leaving_while_its_request_is_queued_disturbs_nothing(tiny_models
     import asyncio
 
     from pagedllm.config import EngineConfig
-    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.async_engine import AsyncLLM
     from pagedllm.sampling_params import SamplingParams
 
     path, _ = tiny_models("llama")
-    engine = AsyncEngine.from_config(EngineConfig(model=path, skip_tokenizer_init=True,
-                                                  max_model_len=256, num_kv_blocks=64))
-    step = engine.engine.step
-    engine.engine.step = lambda: (time.sleep(0.05), step())[1]  # long steps: a wide window
+    engine = AsyncLLM(EngineConfig(model=path, skip_tokenizer_init=True,
+                                                  max_model_len=256, num_kv_blocks=64), in_process=True)
+    step = engine.core.step
+    engine.core.step = lambda: (time.sleep(0.05), step())[1]  # long steps: a wide window
     params = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
 
     async def consume(request_id: str) -> int:
@@ -477,7 +477,7 @@ def test_server_healthy_after_everything(server: Server, client: openai.OpenAI):
 
 # ---------------------------------------------------------------------- build_app alone
 class _RecordingEngine:
-    """Enough of AsyncEngine to test the HTTP layer by itself: it records each request and
+    """Enough of AsyncLLM to test the HTTP layer by itself: it records each request and
     answers "ok" at once."""
 
     def __init__(self, tokenizer):
@@ -509,8 +509,8 @@ def recorded():
 
     from pagedllm.config import EngineConfig, default_model_path
     from pagedllm.entrypoints.openai.api_server import build_app
-    from pagedllm.model_executor.loader.loader import resolve_source
-    from pagedllm.tokenizer import load_tokenizer
+    from pagedllm.model_source import resolve_source
+    from pagedllm.tokenizers import load_tokenizer
 
     engine = _RecordingEngine(load_tokenizer(resolve_source(default_model_path(), "auto")))
     app = build_app(engine, EngineConfig(model="Qwen/Qwen-7B-Chat"), chat_template=CUSTOM_TEMPLATE)

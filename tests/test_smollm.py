@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.config import default_model_path
-from pagedllm.tokenizer import IncrementalDetokenizer
+from pagedllm.tokenizers import IncrementalDetokenizer
 
 
 def test_chat_answers_capital_of_france(smol_llm):

@@ -114,10 +114,10 @@ def _assert_tp2_equals_tp1(path: str) -> None:
     want = _greedy(LLM(path, **kw))
     llm = LLM(path, tensor_parallel_size=2, **kw)
     try:
-        assert type(llm.engine.runner).__name__ == "MultiprocExecutor"
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
         assert _greedy(llm) == want
     finally:
-        pids = llm.engine.runner.worker_pids
+        pids = llm.engine.executor.worker_pids
         llm.engine.shutdown()
     assert _alive(pids) == []
 
@@ -131,12 +131,12 @@ def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
     _assert_tp2_equals_tp1(path)
 
 
-def test_tp2_zoo_model_from_its_original_layout(tiny_models, tmp_path):
+def test_tp2_remote_code_model_from_its_original_layout(tiny_models, tmp_path):
     """InternLM2's grouped wqkv, converted from a Llama reference, shards like the rest."""
-    import zoo_converters as zc
+    import remote_code_converters as converters
 
     _, hf = tiny_models("llama", num_key_value_heads=2)
-    path = zc.to_internlm2(hf, str(tmp_path / "internlm2"))
+    path = converters.to_internlm2(hf, str(tmp_path / "internlm2"))
     _assert_tp2_equals_tp1(path)
 
 
@@ -149,7 +149,7 @@ def test_killed_worker_fails_the_run_quickly_and_leaves_no_orphans(tiny_models):
 
     path, _ = tiny_models("llama")
     llm = LLM(path, tensor_parallel_size=2, skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
-    executor = llm.engine.runner
+    executor = llm.engine.executor
     pids = executor.worker_pids
     execute, steps = executor.execute, []
 
@@ -180,26 +180,13 @@ def test_ray_backend_places_the_same_workers_as_actors(tiny_models):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         llm = LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **kw)
-        assert type(llm.engine.runner).__name__ == "RayExecutor"
+        assert type(llm.engine.executor).__name__ == "RayExecutor"
         assert _greedy(llm, max_tokens=6) == want
-        pids = llm.engine.runner.worker_pids
+        pids = llm.engine.executor.worker_pids
         llm.engine.shutdown()
         assert _alive(pids) == []
     finally:
         ray.shutdown()
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().split(")")[-1].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return kids
 
 
 def test_server_tp2_serves_then_fails_clearly_when_a_worker_dies(tmp_path):
@@ -214,10 +201,11 @@ def test_server_tp2_serves_then_fails_clearly_when_a_worker_dies(tmp_path):
 
     import httpx
     from hf_models import save_tiny_model
+    from server_process import descendants
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.config import default_model_path
-    from pagedllm.model_executor.loader.gguf_file import gguf_tokenizer
+    from pagedllm.tokenizers import gguf_tokenizer
 
     tok = gguf_tokenizer(default_model_path())  # a real tokenizer for a tiny random model
     path = str(tmp_path / "model")
@@ -249,13 +237,17 @@ def test_server_tp2_serves_then_fails_clearly_when_a_worker_dies(tmp_path):
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
-        workers = _children(proc.pid)
+        workers = descendants(proc.pid)  # the engine core process and its TP workers
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
 
-        tp_workers = [p for p in workers if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        def spawned(pids: list[int]) -> list[int]:
+            return [p for p in pids if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+
+        (core,) = spawned(descendants(proc.pid, depth=1))
+        tp_workers = spawned(descendants(core))
         assert len(tp_workers) == 2
         os.kill(tp_workers[-1], signal.SIGKILL)
         t0 = time.monotonic()

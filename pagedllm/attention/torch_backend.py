@@ -84,7 +84,7 @@ class TorchPagedAttention:
             ctx = meta.ctx_len[:nd] if rows is None else meta.ctx_len.index_select(0, rows)
             n = tables.shape[0]
             tables = tables.reshape(-1).long()
-            # index_select gathers whole blocks ~2x faster than advanced indexing on CPU.
+            # index_select gathers whole blocks faster than advanced indexing on CPU.
             kc = k_cache.index_select(0, tables).view(n, nblk * bs, hkv, dim).transpose(1, 2)
             vc = v_cache.index_select(0, tables).view(n, nblk * bs, hkv, dim).transpose(1, 2)
             pos = torch.arange(nblk * bs, device=q.device)

@@ -8,6 +8,12 @@ ids). Such blocks are registered in `cached`; a new request whose prompt starts 
 same tokens takes those blocks (ref count + 1) instead of computing them again. A block
 whose ref count drops to zero goes to the free queue but keeps its hash, so a later
 request can still hit it, until the pool needs the slot (least recently freed goes first).
+
+A request's block table only grows while it holds blocks: `allocate_slots` appends (cache
+hits first, at admission, then fresh blocks) and `free` drops the whole table. No entry is
+ever replaced in place (there is no sliding-window freeing of old blocks), which is what
+lets the scheduler send workers only the ids appended since a request's previous step; a
+change that recycles blocks inside a live table must send workers a full table instead.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ and a cap on running sequences (`max_num_seqs`). A prompt that does not fit the 
 budget is chunked. When the page pool runs dry the newest running request is preempted:
 its blocks are freed and it is recomputed later (prefix caching makes that cheap).
 
-The output is plain data so it can be sent to worker processes unchanged.
+The output is plain data so it can be sent to worker processes unchanged. It is a delta:
+a request's sampling state travels once (NewRequestData), its block table once per
+admission (the first chunk after it is admitted or resumed), and each later chunk carries
+only the block ids appended since the request's previous chunk. Workers keep the rest.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pagedllm.core.request import Request, RequestStatus
 
 @dataclass
 class NewRequestData:
-    """Sent once per request so workers can keep its sampling state."""
+    """Sent once per request so workers can keep its sampling state (also across a
+    preemption: a seeded generator and the prompt logprobs already reported carry on)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -32,11 +36,19 @@ class NewRequestData:
 
 @dataclass
 class ScheduledChunk:
+    """Tokens of one request to compute this step, and the blocks its worker-side table
+    lacks. The worker keeps each request's table (worker/block_table.py): `new_block_ids`
+    are the ids appended since the request's previous chunk (usually none in a decode
+    step, one when it crosses a block boundary) or, with `full_table`, its whole table, on
+    the first chunk after the request was admitted or resumed from a preemption (prefix
+    cache hits included); the worker then drops any table it kept for it."""
+
     request_id: str
     start: int  # position of the first token to compute (= tokens already in the cache)
     num_tokens: int
-    block_table: list[int]
+    new_block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    full_table: bool = False
 
 
 @dataclass
@@ -75,6 +87,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._sent_to_worker: set[str] = set()
+        # Block ids of each admitted request's table that the workers hold; dropped when
+        # its blocks are freed (preemption, finish), so its next chunk sends a full table.
+        self._blocks_sent: dict[str, int] = {}
         self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------ admission
@@ -120,6 +135,7 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._blocks_sent.pop(req.request_id, None)  # the worker's copy is replaced on resumption
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -183,13 +199,20 @@ class Scheduler:
                     )
                 )
             sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
+            table = self.kv.block_table(req.request_id)
+            sent = self._blocks_sent.get(req.request_id)
+            # Tables only grow while blocks are held (KVCacheManager), so ids the worker
+            # has stay valid; a shorter table would mean an earlier entry changed.
+            assert sent is None or len(table) >= sent, "a block table shrank while held"
+            self._blocks_sent[req.request_id] = len(table)
             out.chunks.append(
                 ScheduledChunk(
                     req.request_id,
                     req.num_computed_tokens,
                     n,
-                    self.kv.block_table(req.request_id),  # read by the runner this step
+                    table[sent or 0 :],  # a copy: the table grows in later steps
                     sample,
+                    full_table=sent is None,
                 )
             )
             # Advanced now, so that the next step can be scheduled before this one returns.
@@ -250,18 +273,10 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_by_stop_string(self, request_id: str, stop: str) -> None:
-        """The output processor found a stop string: end the request now."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished:
-            return
-        self._remove(req)
-        req.stop_reason = stop
-        self._finish(req, RequestStatus.FINISHED_STOPPED)
-
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self._blocks_sent.pop(req.request_id, None)
         if req.request_id in self._sent_to_worker:
             self._sent_to_worker.discard(req.request_id)
             self._finished_ids.append(req.request_id)

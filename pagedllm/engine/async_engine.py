@@ -1,32 +1,38 @@
-"""The engine for servers: the step loop runs on its own thread; asyncio callers get streams.
+"""The engine for servers: the front end in the server's process, the core on its own.
 
-Requests and aborts cross into the loop thread through a queue; outputs come back to each
-caller's asyncio queue with `call_soon_threadsafe`. Validation errors of a new request are
-raised in the caller (a ValueError), so an HTTP layer can answer 400 while the loop keeps
-serving everyone else.
+`AsyncLLM` tokenizes and checks a request in the caller (a ValueError there lets an HTTP
+layer answer 400 while everyone else is served), sends the core its sequences, and turns
+the core's per-step deltas into cumulative `RequestOutput`s on each caller's asyncio
+queue. The core runs in a process of its own (`serve`), or on a thread of this process
+(`in_process=True`: tests that reach into the core).
 
 Faults stay as small as they can:
 - a request the model cannot go on with (NaN logits) fails alone (`RequestFailedError`);
-- a model step that raises fails the requests in that step, and the loop goes on; after
+- a model step that raises fails the requests in that step, and the core goes on; after
   `max_step_failures` failed steps in a row the engine is declared dead;
-- any other failure of the loop (its state can no longer be trusted), or `shutdown`, ends
-  every pending request with `EngineDeadError` and turns `is_healthy` False, so nothing hangs
-  and new requests fail at once.
+- any other failure of the core (its state can no longer be trusted), its process dying,
+  or `shutdown`, ends every pending request with `EngineDeadError` and turns `is_healthy`
+  False, so nothing hangs and new requests fail at once. `on_dead` callbacks learn of it
+  (the server then exits non-zero).
 Errors meant for clients name the exception type only; the details go to the log.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import logging
-import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.llm_engine import EngineStats, LLMEngine, StepError
+from pagedllm.engine.core import load_model_config
+from pagedllm.engine.core_client import InprocClient, MPClient
+from pagedllm.engine.llm_engine import load_frontend
+from pagedllm.engine.messages import AbortRequests, AddRequest, EngineCoreOutputs, SchedulerStats
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -34,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (it failed, or it was shut down): nothing can be served."""
+    """The engine has stopped (it failed, or it was shut down): nothing can be served."""
 
 
 class EngineShutdownError(EngineDeadError):
@@ -52,70 +58,88 @@ class _Stream:
     queue: asyncio.Queue
 
 
-def _fail(fut: concurrent.futures.Future | None, error: BaseException) -> None:
-    if fut is not None:
-        try:
-            fut.set_exception(error)
-        except concurrent.futures.InvalidStateError:
-            pass  # answered already, or cancelled by its caller
-
-
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_step_failures: int = 3):
-        self.engine = engine
-        self.config = engine.config
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, in_process: bool = False, max_step_failures: int = 3):
+        self.config, _, hf_config = load_model_config(config)  # resolved once, here
         self.max_step_failures = max_step_failures
-        self._commands: queue.Queue = queue.Queue()
+        self.metrics = EngineMetrics(self.config.model_name)
+        self._lock = threading.Lock()  # the output processor and the streams
         self._streams: dict[str, _Stream] = {}
-        self._error: BaseException | None = None  # set once the loop has stopped
-        self._dead = EngineDeadError("the engine is not running")
-        self._stop = threading.Event()
-        self._stats = engine.stats()
-        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self._dead: EngineDeadError | None = None  # set once the engine has stopped
+        self._on_dead: list[Callable[[], None]] = []
+        self._stats: SchedulerStats | None = None
+        self.output_processor: OutputProcessor | None = None
+        if in_process:
+            self.client = InprocClient(self.config, self._on_core_outputs, max_step_failures)
+        else:
+            self.client = MPClient(self.config, self._on_core_outputs, max_step_failures,
+                                   self._on_core_death)
+        try:
+            self.tokenizer, self.processor = load_frontend(self.config, self.client.info, hf_config)
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
+        self.metrics.update_pool(self.stats())
+        self.max_model_len = self.config.max_model_len
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, in_process: bool = False) -> AsyncLLM:
+        return cls(config, in_process=in_process)
 
     # ------------------------------------------------------------------ public
     @property
-    def is_healthy(self) -> bool:
-        return self._error is None and self._thread.is_alive()
+    def core(self):
+        """The EngineCore, when it runs in this process (None when it has its own)."""
+        return self.client.core
 
-    def stats(self) -> EngineStats:
-        """A snapshot taken by the loop after its latest step (safe from any thread)."""
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self.client.alive()
+
+    def describe(self) -> dict:
+        return self.client.info.describe
+
+    def stats(self) -> SchedulerStats:
+        """The pool and queue as the core last reported them (safe from any thread)."""
+        if self._stats is None:
+            d = self.client.info.describe
+            return SchedulerStats(0, 0, 0.0, d["kv_blocks"], d["kv_blocks"], 0, 0, 0)
         return self._stats
+
+    def add_dead_callback(self, callback: Callable[[], None]) -> None:
+        """Called once, from a background thread, when the engine stops unplanned."""
+        self._on_dead.append(callback)
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request until it finishes. Cancelling the
+        """Stream cumulative outputs of one request until it finishes (a consumer slower
+        than the engine gets the latest, skipping those in between). Cancelling the
         consumer (e.g. a client disconnect) aborts the request and frees its blocks."""
-        if not self.is_healthy:
-            raise self._dead
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._dead is not None or not self.client.alive():
+            raise self._dead or EngineDeadError("the engine is not running")
+        ids, seq_params, requests = self.processor.process(request_id, prompt, prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._streams[request_id] = stream
-        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params), fut))
-        if not self.is_healthy:  # the loop stopped after the check above: nobody will answer
-            _fail(fut, self._dead)
+        with self._lock:
+            if request_id in self._streams or request_id in self.output_processor:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self.output_processor.add(request_id, prompt, ids, seq_params, requests[0].arrival_time)
         try:
-            await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:  # the caller left while the add was queued
-            self._streams.pop(request_id, None)
-            self.abort(request_id)  # queued after the add, so it also undoes a late add
-            raise
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+            for req in requests:
+                self.client.send(AddRequest(req))
+        except RuntimeError:  # the core is gone; its death is being reported
+            self._end(EngineDeadError("the engine stopped: its core is not running"))
+        if self._dead is not None:  # it stopped meanwhile: nobody else will answer
+            self._deliver(request_id, self._dead)
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
+                # Outputs are cumulative: a consumer that fell behind takes the latest one
+                # (one SSE event for several tokens) instead of working through each.
+                while not (isinstance(item, BaseException) or item.finished or stream.queue.empty()):
+                    item = stream.queue.get_nowait()
                 if isinstance(item, BaseException):
                     finished = True  # the engine has ended it already
                     raise item
@@ -124,25 +148,32 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            with self._lock:
+                self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        with self._lock:
+            if request_id not in self.output_processor:
+                return
+            seq_ids = self.output_processor.seq_ids(request_id)
+            self.output_processor.abort(request_id)
+        if self.is_healthy:
+            with contextlib.suppress(RuntimeError):  # a core that is gone holds nothing
+                self.client.send(AbortRequests(seq_ids))
 
     def stop(self) -> None:
-        """Ask the loop to stop after its current step, without waiting: pending requests
-        then end with EngineDeadError (the server's drain deadline uses this)."""
-        self._stop.set()
-        self._commands.put(("wake", None, None))
+        """Stop the engine after its current step, without waiting: pending requests end
+        with EngineShutdownError (the server's drain deadline uses this)."""
+        self._end(EngineShutdownError("the server is shutting down"))
+        self.client.stop()
 
     def shutdown(self) -> None:
         self.stop()
-        self._thread.join(timeout=10)
-        self.engine.shutdown()  # worker processes of a multi-process executor
+        self.client.shutdown()
 
-    # ------------------------------------------------------------------ loop thread
+    # ------------------------------------------------------------------ the core's side
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
@@ -151,76 +182,39 @@ class AsyncEngine:
             except RuntimeError:  # its event loop is closed: nobody is listening
                 pass
 
-    def _handle(self, cmd, arg, fut) -> None:
-        if cmd == "add":
-            if not fut.set_running_or_notify_cancel():
-                return  # cancelled by its caller before the loop got to it
-            try:
-                self.engine.add_request(*arg)
-            except Exception as e:  # invalid request: tell the caller, keep serving
-                fut.set_exception(e)
-            else:
-                fut.set_result(None)
-        elif cmd == "abort":
-            self.engine.abort_request(arg)
+    def _on_core_outputs(self, msg: EngineCoreOutputs) -> list[str]:
+        """On the client's thread: a step's deltas -> outputs on each caller's queue."""
+        if msg.dead is not None:
+            self._end(EngineDeadError(msg.dead))
+            return []
+        if msg.stats is not None:
+            self._stats = msg.stats
+        if self.output_processor is None:  # still starting: no request yet
+            return []
+        with self._lock:
+            outs, aborts = self.output_processor.process(msg.outputs, msg.stats)
+            for out in outs:
+                if out.error is not None:
+                    self._deliver(out.request_id, RequestFailedError(f"generation failed: {out.error}"))
+                else:
+                    self._deliver(out.request_id, out)
+        return aborts
 
-    def _step(self) -> None:
-        for out in self.engine.step():
-            if out.error is not None:
-                self._deliver(out.request_id, RequestFailedError(f"generation failed: {out.error}"))
-            else:
-                self._deliver(out.request_id, out)
+    def _on_core_death(self, why: str) -> None:
+        logger.error("%s", why)
+        self._end(EngineDeadError(f"the engine stopped: {why}; see the server log"))
 
-    def _fail_step(self, e: StepError, failures: int) -> None:
-        """Fail the requests of a step that raised, or give up when steps keep failing."""
-        cause = e.__cause__ or e
-        logger.error("engine step failed (%d in a row); failing its %d requests",
-                     failures, len(e.request_ids), exc_info=cause)
-        if failures >= self.max_step_failures:
-            raise EngineDeadError(f"{failures} engine steps failed in a row") from cause
-        err = RequestFailedError(f"generation failed: the engine step running this request "
-                                 f"raised {type(cause).__name__}; see the server log")
-        for rid in e.request_ids:
-            self.engine.abort_request(rid, "error")
-            self._deliver(rid, err)
-
-    def _loop(self) -> None:
-        failures = 0
-        try:
-            while not self._stop.is_set():
-                block = not self.engine.has_unfinished_requests()
-                try:
-                    cmd = self._commands.get(block=block, timeout=0.5 if block else None)
-                    self._handle(*cmd)
-                    while True:
-                        self._handle(*self._commands.get_nowait())
-                except queue.Empty:
-                    pass
-                if self.engine.has_unfinished_requests():
-                    try:
-                        self._step()
-                        failures = 0
-                    except StepError as e:
-                        failures += 1
-                        self._fail_step(e, failures)
-                self._stats = self.engine.stats()
-        except BaseException as e:  # the loop cannot continue: fail everyone, loudly
-            root = e.__cause__ if isinstance(e, EngineDeadError) and e.__cause__ else e
-            logger.exception("engine loop failed")
-            self._end(e, EngineDeadError(f"the engine stopped after an internal error "
-                                         f"({type(root).__name__}); see the server log"))
-        else:
-            self._end(self._dead, EngineShutdownError("the server is shutting down"))
-
-    def _end(self, error: BaseException, client_error: EngineDeadError) -> None:
+    def _end(self, error: EngineDeadError) -> None:
         """No more requests: answer everyone who is waiting, and whoever comes later."""
-        self._dead = client_error
-        self._error = error  # is_healthy is False from here on
-        for rid in list(self._streams):
-            self._deliver(rid, client_error)
-        while True:
-            try:
-                _, _, fut = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            _fail(fut, client_error)
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = error
+            for rid in list(self._streams):
+                self._deliver(rid, error)
+        if not isinstance(error, EngineShutdownError):
+            for callback in self._on_dead:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("an engine-death callback failed")

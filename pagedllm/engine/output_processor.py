@@ -1,8 +1,11 @@
-"""Token ids -> what users read: text (incrementally detokenized), stop strings, logprobs.
+"""The core's token deltas -> what users read: text (incrementally detokenized), stop
+strings, logprobs, n sequences gathered back into one RequestOutput, and the metrics.
 
-A user request with n > 1 is run as n sequences; this is where they are gathered back into
-one RequestOutput. Text that might be the start of a stop string is held back until it is
-known not to be one, so a streamed response never shows a stop string it was asked to cut.
+This is the front end's half of a step. A stop string is found here, so the sequence is
+ended here and its id returned for the caller to abort in the core; tokens the core made
+after that (it may have run ahead) are dropped. Text that might be the start of a stop
+string is held back until it is known not to be one, so a streamed response never shows a
+stop string it was asked to cut.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from pagedllm.engine.messages import EngineCoreOutput, PositionEntry, SchedulerStats
+from pagedllm.engine.processor import child_id
+from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import IncrementalDetokenizer
+from pagedllm.tokenizers import IncrementalDetokenizer
 
 
 @dataclass
@@ -26,6 +32,7 @@ class _Seq:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None
 
     @property
     def holdback(self) -> int:
@@ -42,24 +49,22 @@ class _Parent:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     first_token_time: float | None = None
-
-
-def child_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{request_id}#{index}"
+    error: str | None = None
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, metrics: EngineMetrics | None = None):
         self.tokenizer = tokenizer
+        self.metrics = metrics
         self.parents: dict[str, _Parent] = {}
         self._token_text: dict[int, str] = {}
         self.seq_owner: dict[str, tuple[str, int]] = {}  # sequence id -> (request id, index)
 
-    def parent_id(self, seq_id: str) -> tuple[str, int]:
-        return self.seq_owner[seq_id]
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.parents
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: list[SamplingParams]) -> None:
+            params: list[SamplingParams], arrival: float | None = None) -> None:
         seqs = []
         for i, p in enumerate(params):
             detok = None
@@ -68,10 +73,87 @@ class OutputProcessor:
             seqs.append(_Seq(i, p, detok, logprobs=[] if p.logprobs is not None else None))
         for i in range(len(params)):
             self.seq_owner[child_id(request_id, i, len(params))] = (request_id, i)
-        parent = _Parent(request_id, prompt, prompt_token_ids, seqs, time.monotonic())
+        parent = _Parent(request_id, prompt, prompt_token_ids, seqs,
+                         time.monotonic() if arrival is None else arrival)
         if params[0].prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        n = len(self.parents[request_id].seqs)
+        return [child_id(request_id, i, n) for i in range(n)]
+
+    # ------------------------------------------------------------------ a step's outputs
+    def process(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None = None,
+                final_only: bool = False) -> tuple[list[RequestOutput], list[str]]:
+        """One step's deltas -> (the RequestOutputs they changed, the sequences to abort in
+        the core: those a stop string ended and the siblings of a failed one). With
+        `final_only` only finished requests get an output (the offline API needs nothing
+        else, and skipping the per-step copies keeps the loop lean)."""
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        aborts: list[str] = []
+        ttft: list[float] = []
+        queue: list[float] = []
+        itl: list[float] = []
+        num_tokens = 0
+        for o in outputs:
+            owner = self.seq_owner.get(o.request_id)
+            if owner is None:
+                continue  # its request ended in the front end (abort) while the core ran on
+            pid, idx = owner
+            parent = self.parents[pid]
+            seq = parent.seqs[idx]
+            if seq.finish_reason is not None:
+                continue  # ended by a stop string: the core ran ahead
+            touched[pid] = None
+            if o.error is not None:  # the whole request fails with its sequence
+                parent.error = o.error
+                for s in parent.seqs:
+                    if s.finish_reason is None:
+                        s.finish_reason = "error"
+                aborts.extend(sid for sid in self.seq_ids(pid) if sid != o.request_id)
+                continue
+            if o.new_prompt_logprobs and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(self._position(e) for e in o.new_prompt_logprobs)
+            if not o.new_token_ids:
+                continue
+            if seq.last_token_time is None:
+                ttft.append(now - parent.arrival)
+                if o.scheduled_time is not None:
+                    queue.append(o.scheduled_time - parent.arrival)
+                if idx == 0:
+                    parent.num_cached_tokens = max(o.num_cached_tokens, 0)
+            else:
+                itl.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+            num_tokens += len(o.new_token_ids)
+            last = len(o.new_token_ids) - 1
+            for k, token in enumerate(o.new_token_ids):
+                finish = o.finish_reason if k == last else None
+                lp = o.new_logprobs[k] if o.new_logprobs is not None else None
+                if self._add_token(seq, token, lp, finish, o.stop_reason if k == last else None):
+                    if finish is None:  # a stop string ended it: the core must stop too
+                        aborts.append(o.request_id)
+                    break
+        outs: list[RequestOutput] = []
+        for pid in touched:
+            if final_only and not self.is_finished(pid):
+                continue
+            outs.append(self.output(pid, now))
+        m = self.metrics
+        if m is not None:
+            m.generation_tokens.inc(num_tokens)
+            m.time_to_first_token.observe_many(ttft)
+            m.request_queue_time.observe_many(queue)
+            m.inter_token_latency.observe_many(itl)
+            if stats is not None:
+                m.update_pool(stats)
+        return outs, aborts
 
     def token_text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -81,7 +163,7 @@ class OutputProcessor:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def _position(self, entry: tuple[list[int], list[float], list[int]]) -> PositionLogprobs:
+    def _position(self, entry: PositionEntry) -> PositionLogprobs:
         ids, lps, ranks = entry
         pos: PositionLogprobs = {}
         for t, lp, r in zip(ids, lps, ranks, strict=True):
@@ -89,56 +171,42 @@ class OutputProcessor:
                 pos[t] = Logprob(lp, r, self.token_text(t))
         return pos
 
-    def add_prompt_logprobs(self, seq_id: str, entries) -> None:
-        parent = self.parents.get(self.seq_owner.get(seq_id, ('', 0))[0])
-        if parent is not None and parent.prompt_logprobs is not None:
-            parent.prompt_logprobs.extend(self._position(e) for e in entries)
-
-    def add_token(self, seq_id: str, token: int, logprobs, finish_reason: str | None,
-                  stop_reason) -> str | None:
-        """Record one new token. Returns the stop string if one now ends the sequence."""
-        pid, idx = self.seq_owner[seq_id]
-        parent = self.parents[pid]
-        if parent.first_token_time is None:
-            parent.first_token_time = time.monotonic()
-        seq = parent.seqs[idx]
+    def _add_token(self, seq: _Seq, token: int, logprobs: PositionEntry | None,
+                   finish_reason: str | None, stop_reason: int | None) -> bool:
+        """Record one new token; True if the sequence has now finished."""
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.cumulative_logprob += logprobs[1][0]
             if seq.logprobs is not None:
                 seq.logprobs.append(self._position(logprobs))
-        hit = None
         if seq.detok is not None:
             before = len(seq.text)
             # An eos / stop token ends the text without appearing in it (vLLM's rule).
-            stopped_by_token = finish_reason == "stop" and not isinstance(stop_reason, str)
-            if not stopped_by_token or seq.params.include_stop_str_in_output:
+            if finish_reason != "stop" or seq.params.include_stop_str_in_output:
                 seq.text += seq.detok.add(token)
-            if seq.params.stop and finish_reason is None:
-                hit = self._find_stop(seq, before)
-        if hit is None and finish_reason is not None:
+            if seq.params.stop and finish_reason is None and self._find_stop(seq, before):
+                return True
+        if finish_reason is not None:
             seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
-        return hit
+            return True
+        return False
 
-    def _find_stop(self, seq: _Seq, before: int) -> str | None:
+    def _find_stop(self, seq: _Seq, before: int) -> bool:
         best = None
         for s in seq.params.stop:
             i = seq.text.find(s, max(0, before - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
-            return None
+            return False
         i, s = best
         seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
         seq.finish_reason, seq.stop_reason = "stop", s
-        return s
+        return True
 
-    def set_cached_tokens(self, seq_id: str, n: int) -> None:
-        pid, idx = self.seq_owner.get(seq_id, ("", -1))
-        if idx == 0 and pid in self.parents:
-            self.parents[pid].num_cached_tokens = max(n, 0)
-
+    # ------------------------------------------------------------------ requests
     def abort(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """End a request in the front end (its sequences must be aborted in the core too)."""
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -150,7 +218,8 @@ class OutputProcessor:
     def is_finished(self, request_id: str) -> bool:
         return all(s.finish_reason is not None for s in self.parents[request_id].seqs)
 
-    def output(self, request_id: str) -> RequestOutput:
+    def output(self, request_id: str, now: float | None = None) -> RequestOutput:
+        """The request's cumulative output; a finished request is forgotten here."""
         parent = self.parents[request_id]
         outs = []
         for seq in parent.seqs:
@@ -168,13 +237,19 @@ class OutputProcessor:
         if parent.first_token_time is not None:
             metrics["first_token_time"] = parent.first_token_time
         if finished:
+            now = time.monotonic() if now is None else now
             self.parents.pop(request_id)
-            for i in range(len(parent.seqs)):
-                self.seq_owner.pop(child_id(request_id, i, len(parent.seqs)), None)
-            metrics["finished_time"] = time.monotonic()
+            for sid in [child_id(request_id, i, len(parent.seqs)) for i in range(len(parent.seqs))]:
+                self.seq_owner.pop(sid, None)
+            metrics["finished_time"] = now
+            if self.metrics is not None:
+                reason = "error" if parent.error is not None else outs[0].finish_reason or "stop"
+                self.metrics.request_finished(reason)
+                if reason not in ("abort", "error"):
+                    self.metrics.e2e_request_latency.observe(now - parent.arrival)
         return RequestOutput(
             request_id=request_id, prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids, outputs=outs, finished=finished,
             prompt_logprobs=parent.prompt_logprobs, num_cached_tokens=parent.num_cached_tokens,
-            metrics=metrics,
+            metrics=metrics, error=parent.error,
         )

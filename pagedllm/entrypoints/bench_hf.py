@@ -1,5 +1,5 @@
 """The Hugging Face transformers baseline: the same requests through `generate` in static
-batches, as BENCHMARKS.md measures it.
+batches, as the project's benchmark notes measure it.
 
 How it counts, and why:
 - Requests go in dataset order, `batch_size` at a time, left-padded with an attention mask.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.entrypoints.bench_workloads import RandomDataset
-from pagedllm.model_executor.loader.loader import resolve_source
+from pagedllm.model_source import resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,5 +1,5 @@
 """What every benchmark result carries so that a figure means something later: the machine,
-the software, the commit, the date and the arguments (BENCHMARKS.md, last section)."""
+the software, the commit, the date and the arguments (as the project's benchmark notes ask)."""
 
 from __future__ import annotations
 

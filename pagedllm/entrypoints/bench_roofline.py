@@ -3,15 +3,146 @@
 Decode is bound by memory: each step reads every weight once plus each running request's KV
 cache. Prefill is bound by matmul rate. The estimate assumes perfect continuous batching
 (decode steps = max(longest output, total output / concurrent requests)) and no overlap,
-which is the method behind the roofline row of BENCHMARKS.md (about 13,000 tok/s for gpu-7b
-on an H200 at 4.24 TB/s and 786 TFLOP/s).
+which is the method behind the roofline row of the project's benchmark notes.
+
+The ceilings belong to the card the run got: the device tool lends an H100 (about 3.0 TB/s)
+or an H200 (about 4.3 TB/s), so a fixed pair would misstate the roofline on one of them.
+`measure_ceilings` times them at the start of a run; `KNOWN_CARDS` keeps what was measured
+here before, recorded beside the new figures so that a slow or throttled card shows.
 """
 
 from __future__ import annotations
 
-# Ceilings measured on the lent H200 (BENCHMARKS.md): copy bandwidth and bf16 matmul rate.
-H200_BANDWIDTH_TBPS = 4.24
-H200_MATMUL_TFLOPS = 786.0
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Card:
+    """Ceilings of one kind of card as measured here (the benchmark notes' "Cards")."""
+
+    name: str
+    bandwidth_tbps: float  # device-to-device copy, bytes read + written
+    matmul_tflops: float  # dense bf16 matmul
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "bandwidth_TBps": self.bandwidth_tbps,
+                "matmul_TFLOPs": self.matmul_tflops}
+
+
+# (substrings all found in torch.cuda.get_device_name, the card). The H100 SXM reports
+# "NVIDIA H100 80GB HBM3"; the PCIe and NVL parts have other memory and are not listed.
+KNOWN_CARDS: list[tuple[tuple[str, ...], Card]] = [
+    (("H200",), Card("H200", 4.24, 786.0)),
+    (("H100", "HBM3"), Card("H100 SXM", 3.0, 790.0)),
+]
+H200 = KNOWN_CARDS[0][1]
+
+
+def known_card(device_name: str) -> Card | None:
+    """The reference ceilings of a card by its CUDA name, or None for one not measured here."""
+    for keys, card in KNOWN_CARDS:
+        if all(k in device_name for k in keys):
+            return card
+    return None
+
+
+def _best_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Fastest of `repeats` timed calls after one untimed one: the best run is the one the
+    card's clocks and the other tenants disturbed least. CUDA events time the device alone."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _copy_seconds(device: torch.device, nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return _best_seconds(lambda: dst.copy_(src), device, repeats)
+
+
+def _matmul_seconds(device: torch.device, n: int, repeats: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    for _ in range(3):  # the clocks rise under load before the timed products
+        torch.mm(a, b, out=out)
+    return _best_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
+
+
+def _digits(x: float) -> float:
+    """Four significant digits: a card's 786.3 TFLOP/s and a test's 0.01234 alike."""
+    return float(f"{x:.4g}")
+
+
+def measure_ceilings(device: torch.device, copy_bytes: int = 1 << 30, matmul_n: int = 8192,
+                     repeats: int = 5) -> dict:
+    """Copy bandwidth and bf16 matmul rate of `device`, timed now (about a second on an
+    H100/H200 with the defaults; the buffers, 2 GiB and 384 MiB, are freed before return).
+
+    Bandwidth counts the bytes read plus the bytes written by one device-to-device copy, as
+    the benchmark notes' figures do; the matmul rate counts 2*n^3 FLOPs for each n x n x n product.
+    Both are the best of `repeats` runs, so a card that throttles shows a lower ceiling than
+    its reference, never a higher one.
+    """
+    t0 = time.perf_counter()
+    copy_s = _copy_seconds(device, copy_bytes, repeats)
+    mm_s = _matmul_seconds(device, matmul_n, repeats)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    return {
+        "bandwidth_TBps": _digits(2 * copy_bytes / copy_s / 1e12),
+        "matmul_TFLOPs": _digits(2 * matmul_n**3 / mm_s / 1e12),
+        "copy_bytes": copy_bytes,
+        "matmul_shape": [matmul_n] * 3,
+        "repeats": repeats,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def ceilings(device: torch.device, device_name: str, peak_bandwidth: float | None,
+             peak_tflops: float | None, measure: Callable[[torch.device], dict] = measure_ceilings,
+             ) -> dict | None:
+    """The ceilings a roofline uses and where each came from, or None without any (CPU with
+    no flags). Flags win over the measurement; on CUDA what is not given is measured; on CPU
+    both flags are needed (a CPU's roofline is not this project's concern unless asked)."""
+    measured = measure(device) if device.type == "cuda" else None
+    if measured is None and (peak_bandwidth is None or peak_tflops is None):
+        return None
+    card = known_card(device_name)
+
+    def pick(flag: float | None, key: str) -> tuple[float, str]:
+        if flag is not None:
+            return flag, "flag"
+        assert measured is not None
+        return measured[key], "measured"
+
+    bw, bw_from = pick(peak_bandwidth, "bandwidth_TBps")
+    tf, tf_from = pick(peak_tflops, "matmul_TFLOPs")
+    return {
+        "device_name": device_name,
+        "bandwidth_TBps": bw,
+        "matmul_TFLOPs": tf,
+        "source": {"bandwidth": bw_from, "matmul": tf_from},
+        "measured": measured,
+        "reference": card.as_dict() if card is not None else None,
+    }
 
 
 def model_shape(hf_config) -> dict[str, int]:

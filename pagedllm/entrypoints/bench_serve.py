@@ -11,6 +11,10 @@ Each is reported as mean, median and p99 (ms); throughput is requests, output to
 all tokens per second of the whole run. Arrivals are all at once or Poisson at
 `--request-rate`, and `--max-concurrency` caps the requests in flight.
 
+`--offline-json` names an offline `bench throughput` result of the same model shape on the
+same card: the result then carries the offline output tok/s, the ratio served / offline and
+that run's card, so one file shows what the HTTP path, streaming and the clients cost.
+
 Prompts are random token ids (seeded) drawn from the server's own tokenization of a fixed
 text, so they are valid for any model and exactly `--input-len` tokens long on the
 completions endpoint; the chat endpoint sends their text, and the chat template adds its
@@ -77,6 +81,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="at most this many requests in flight (default: no cap)")
     w.add_argument("--warmup", type=int, default=2,
                    help="untimed requests before the run (other prompts; default 2)")
+    p.add_argument("--offline-json", metavar="FILE",
+                   help="an offline `bench throughput` result (same model shape and card): "
+                        "records its output tok/s, served / offline and its card")
     p.add_argument("--output-json", help="write the result here")
 
 
@@ -101,11 +108,15 @@ def _stats_ms(name: str, values: list[float]) -> dict:
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
-    """vLLM's figures, under vLLM's names, from the per-request records."""
+    """vLLM's figures, under vLLM's names, from the per-request records, and the ITL's
+    p99 / median: how much longer the worst gaps are than a typical one (a prefill or a
+    stall between two tokens shows there, not in the mean)."""
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    itl = _stats_ms("itl", [x for r in done for x in r.itl])
+    median, p99 = itl["median_itl_ms"], itl["p99_itl_ms"]
     return {
         "completed": len(done),
         "failed": len(results) - len(done),
@@ -117,8 +128,40 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "total_token_throughput": round((in_tokens + out_tokens) / duration, 3),
         **_stats_ms("ttft", [r.ttft for r in done]),
         **_stats_ms("tpot", tpots),
-        **_stats_ms("itl", [x for r in done for x in r.itl]),
+        **itl,
+        "itl_p99_over_median": round(p99 / median, 3) if median else None,
         **_stats_ms("e2el", [r.latency for r in done]),
+    }
+
+
+def load_offline(path: str) -> dict:
+    """The figures of an offline `bench throughput` result that a serve result sets beside
+    its own; read before the run, so that a wrong file fails before minutes of load."""
+    with open(path) as f:
+        saved = json.load(f)
+    engine = saved.get("results", {}).get("pagedllm") if isinstance(saved, dict) else None
+    if not engine or saved.get("benchmark") != "throughput":
+        raise SystemExit(f"{path}: not a `bench throughput` result with a pagedllm figure")
+    env, workload = saved.get("environment", {}), saved.get("workload", {})
+    return {
+        "path": path,
+        "output_throughput": engine["output_tokens_per_s"],
+        "device_name": env.get("device_name"),
+        "date": env.get("date"),
+        "commit": (env.get("git") or {}).get("short"),
+        "workload": {k: workload.get(k) for k in ("name", "num_prompts", "input_len_range",
+                                                   "output_len_range")},
+    }
+
+
+def compare_offline(figures: dict, offline: dict) -> dict:
+    """Served output tok/s over offline: 1.0 would mean the HTTP server, streaming and the
+    clients cost nothing. `server_device` is the offline run's card: the server itself does
+    not report one, and the ratio means something only when both ran on the same card."""
+    return {
+        "offline_output_throughput": offline["output_throughput"],
+        "offline_ratio": round(figures["output_throughput"] / offline["output_throughput"], 4),
+        "server_device": offline["device_name"],
     }
 
 
@@ -182,7 +225,7 @@ def _prompts(pool: list[int], n: int, length: int, rng: random.Random) -> list[l
     return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
 
 
-async def _run(args: argparse.Namespace) -> dict:
+async def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
     try:
         import httpx
     except ImportError:  # a client-side tool: the server itself does not need httpx
@@ -244,10 +287,14 @@ async def _run(args: argparse.Namespace) -> dict:
     settings = args_dict(args)
     if not math.isfinite(args.request_rate):
         settings["request_rate"] = "inf"  # JSON has no Infinity
-    return {"benchmark": "serve", "environment": environment(torch.device("cpu")),
-            "server": {"base_url": args.base_url, "model": model, "version": version,
-                       "endpoint": path},
-            "args": settings, "results": figures, "errors": errors}
+    result = {"benchmark": "serve", "environment": environment(torch.device("cpu")),
+              "server": {"base_url": args.base_url, "model": model, "version": version,
+                         "endpoint": path},
+              "args": settings, "results": figures, "errors": errors}
+    if offline is not None:
+        figures.update(compare_offline(figures, offline))
+        result["offline"] = offline
+    return result
 
 
 def _print(result: dict) -> None:
@@ -262,12 +309,24 @@ def _print(result: dict) -> None:
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
         print(f"  {label:<5} ms   mean {r[f'mean_{name}_ms']}, median {r[f'median_{name}_ms']}, "
               f"p99 {r[f'p99_{name}_ms']}")
+    print(f"  ITL p99 / median {r['itl_p99_over_median']}")
+    if "offline" in result:
+        o = result["offline"]
+        print(f"  offline (bench throughput on {o['device_name']}, {o['commit']}): "
+              f"{r['offline_output_throughput']} output tok/s; served / offline "
+              f"{r['offline_ratio']}")
+        w = o["workload"]
+        if (w["input_len_range"], w["output_len_range"]) != ([a["input_len"]] * 2,
+                                                            [a["output_len"]] * 2):
+            print(f"  note: the offline run's lengths ({w['input_len_range']} in, "
+                  f"{w['output_len_range']} out) differ from this run's")
     for e in result["errors"]:
         print(f"  error: {e}")
 
 
 def run_serve(args: argparse.Namespace) -> dict:
-    result = asyncio.run(_run(args))
+    offline = load_offline(args.offline_json) if args.offline_json else None
+    result = asyncio.run(_run(args, offline))
     _print(result)
     if args.output_json:
         write_json(args.output_json, result)

@@ -20,12 +20,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from pagedllm.entrypoints.bench_report import args_dict, environment, write_json
-from pagedllm.entrypoints.bench_roofline import (
-    H200_BANDWIDTH_TBPS,
-    H200_MATMUL_TFLOPS,
-    roofline,
-)
+from pagedllm.config import EngineConfig, dtype_name
+from pagedllm.entrypoints.bench_report import args_dict, device_name, environment, write_json
+from pagedllm.entrypoints.bench_roofline import ceilings, roofline
 from pagedllm.entrypoints.bench_workloads import (
     WORKLOADS,
     RandomDataset,
@@ -34,8 +31,8 @@ from pagedllm.entrypoints.bench_workloads import (
     random_dataset,
     write_arch_config,
 )
-from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
-from pagedllm.worker.model_runner import resolve_dtype
+from pagedllm.model_executor.loader.loader import load_hf_config
+from pagedllm.model_source import resolve_source
 
 T = TypeVar("T")
 
@@ -49,7 +46,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     """Flags of `bench throughput`. Unset workload flags take the `--workload` preset's value."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=sorted(WORKLOADS),
-                   help="a preset of BENCHMARKS.md (model shape, dtype, requests, lengths, HF "
+                   help="a preset workload (model shape, dtype, requests, lengths, HF "
                         "batch size); flags given explicitly override it")
     w.add_argument("--num-prompts", type=int, help=f"requests (default {DEFAULT_NUM_PROMPTS})")
     w.add_argument("--input-len", type=int, help=f"prompt tokens (default {DEFAULT_INPUT_LEN})")
@@ -100,9 +97,11 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     b.add_argument("--hf-static-cache", action="store_true",
                    help="HF with cache_implementation='static' (torch.compile'd on CUDA)")
     b.add_argument("--peak-bandwidth", type=float,
-                   help="memory bandwidth in TB/s for the roofline (default: H200's on CUDA)")
+                   help="memory bandwidth in TB/s for the roofline (default on CUDA: the "
+                        "card's copy bandwidth, measured at the start of the run)")
     b.add_argument("--peak-tflops", type=float,
-                   help="matmul TFLOP/s for the roofline (default: H200's on CUDA)")
+                   help="matmul TFLOP/s for the roofline (default on CUDA: the card's bf16 "
+                        "matmul rate, measured at the start of the run)")
     p.add_argument("--output-json", help="write the result here")
 
 
@@ -215,7 +214,7 @@ class EngineBackend:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
         self.llm = LLM(model=cfg.model, **kwargs)
         self.temperature = args.temperature
-        self.device = self.llm.engine.runner.device
+        self.device = self.llm.engine.executor.device
 
     def _generate(self, data: RandomDataset) -> int:
         from pagedllm import SamplingParams
@@ -264,7 +263,7 @@ def _load(name: str, args: argparse.Namespace, cfg: ThroughputConfig, data: Rand
         from pagedllm.entrypoints.bench_hf import HFBackend, load_hf_model
 
         if args.hf_dtype is not None:
-            dtype = resolve_dtype(args.hf_dtype, None, device)
+            dtype = getattr(torch, dtype_name(args.hf_dtype))
         model = load_hf_model(cfg.model, cfg.load_format, dtype, device, args.seed)
         backend = HFBackend(model, cfg.hf_batch_size, args.hf_static_cache, args.temperature,
                             args.seed)
@@ -297,12 +296,22 @@ def run_throughput(args: argparse.Namespace) -> dict:
     hf_config = load_hf_config(resolve_source(cfg.model, cfg.load_format))
     vocab = hf_config.vocab_size
     data = random_dataset(cfg.num_prompts, cfg.input_range, cfg.output_range, vocab, args.seed)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(cfg.dtype, hf_config, device)
+    engine_cfg = EngineConfig(model=cfg.model, dtype=cfg.dtype, device=args.device,
+                              load_format=cfg.load_format).resolve(hf_config, torch.cuda.is_available())
+    device, dtype = torch.device(engine_cfg.device), getattr(torch, engine_cfg.dtype)
     print(f"workload: {cfg.workload or 'custom'}, {len(data)} requests, input "
           f"{cfg.input_range[0]}..{cfg.input_range[1]}, output {cfg.output_range[0]}.."
           f"{cfg.output_range[1]} ({data.num_prompt_tokens} prompt / {data.num_output_tokens} "
           f"output tokens), model {cfg.model} ({cfg.load_format}, {dtype})", flush=True)
+    # Before any backend holds the memory: the copy needs 2 GiB for a second.
+    ceil = ceilings(device, device_name(device), args.peak_bandwidth, args.peak_tflops)
+    if ceil is not None:
+        ref = ceil["reference"]
+        print(f"ceilings of {ceil['device_name']}: {ceil['bandwidth_TBps']} TB/s "
+              f"({ceil['source']['bandwidth']}), {ceil['matmul_TFLOPs']} TFLOP/s "
+              f"({ceil['source']['matmul']}); reference "
+              + (f"{ref['name']} {ref['bandwidth_TBps']} TB/s, {ref['matmul_TFLOPs']} TFLOP/s"
+                 if ref else "none for this card"), flush=True)
 
     names = ["pagedllm", "hf"] if args.backend == "both" else [args.backend]
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -360,12 +369,12 @@ def run_throughput(args: argparse.Namespace) -> dict:
     if "pagedllm" in results and "hf" in results:
         result["ratio"] = round(results["pagedllm"]["output_tokens_per_s"]
                                 / results["hf"]["output_tokens_per_s"], 3)
-    bw, tf = args.peak_bandwidth, args.peak_tflops
-    if device.type == "cuda":
-        bw, tf = bw or H200_BANDWIDTH_TBPS, tf or H200_MATMUL_TFLOPS
-    if bw and tf:
-        roof = roofline(hf_config, torch.finfo(dtype).bits // 8, [len(p) for p in data.prompts],
-                        data.output_lens, args.max_num_seqs, bw, tf)
+    if ceil is not None:
+        result["ceilings"] = ceil
+        roof = {"device_name": ceil["device_name"],
+                **roofline(hf_config, torch.finfo(dtype).bits // 8,
+                           [len(p) for p in data.prompts], data.output_lens, args.max_num_seqs,
+                           ceil["bandwidth_TBps"], ceil["matmul_TFLOPs"])}
         if "pagedllm" in results:
             roof["achieved_fraction"] = round(
                 results["pagedllm"]["output_tokens_per_s"] / roof["output_tokens_per_s"], 4)
@@ -391,5 +400,10 @@ def _print_table(result: dict) -> None:
           f"{(env['git'].get('short') or '?')}{' (dirty)' if env['git'].get('dirty') else ''}")
     for r in rows:
         print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    if "roofline" in result:
+        r, c = result["roofline"], result["ceilings"]
+        print(f"roofline at {r['bandwidth_TBps']} TB/s ({c['source']['bandwidth']}), "
+              f"{r['matmul_TFLOPs']} TFLOP/s ({c['source']['matmul']})"
+              + (f": achieved {r['achieved_fraction']:.1%}" if "achieved_fraction" in r else ""))
     if "ratio" in result:
         print(f"pagedllm / hf output tok/s: {result['ratio']:.2f}x")

@@ -1,4 +1,4 @@
-"""The benchmark workloads of BENCHMARKS.md and the random-token dataset they draw from.
+"""The named benchmark workloads and the random-token dataset they draw from.
 
 Prompts are random token ids (seed 0 by default) so that every backend, every machine and
 every run sees the very same requests; lengths are drawn uniformly from a closed range.
@@ -60,7 +60,7 @@ QWEN3_0_6B_CONFIG: dict = {
 
 @dataclass(frozen=True)
 class Workload:
-    """One named row of the BENCHMARKS.md table: what to load and which requests to send."""
+    """One named row of the benchmark table: what to load and which requests to send."""
 
     name: str
     arch_config: dict | None  # None: the default model (real weights)
@@ -69,7 +69,7 @@ class Workload:
     num_prompts: int
     input_range: tuple[int, int]  # inclusive
     output_range: tuple[int, int]  # inclusive
-    hf_batch_size: int  # the HF baseline of BENCHMARKS.md for this workload
+    hf_batch_size: int  # the HF baseline's batch size for this workload
     hf_static_batch_size: int  # same, with --hf-static-cache
 
 

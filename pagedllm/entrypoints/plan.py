@@ -17,8 +17,9 @@ from pagedllm.config import parse_bytes
 from pagedllm.memory import blocks_for_bytes, cpu_num_blocks, kv_bytes_per_token
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.parallel import ParallelLMHead
-from pagedllm.model_executor.loader.loader import load_hf_config, resolve_source
+from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_executor.models import resolve_architecture
+from pagedllm.model_source import resolve_source
 
 # name -> (bytes per weight of the linear layers, bytes per element of everything else and KV)
 WEIGHT_FORMATS = {
@@ -58,17 +59,21 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
               max_num_batched_tokens: int | None = None, load_format: str = "auto") -> tuple[dict, list[PlanRow]]:
     from pagedllm.config import EngineConfig
 
-    cfg = EngineConfig(model=model, load_format=load_format)
+    cfg = EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len,
+                       block_size=block_size, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens)
     hf = load_hf_config(resolve_source(cfg.model, load_format))
+    on_gpu = gpu_memory is not None
+    # The engine's own defaults, for the device the plan is for.
+    cfg = cfg.resolve(hf, cuda_available=on_gpu)
     arch, _ = resolve_architecture(hf)
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     layers = hf.num_hidden_layers
-    max_len = max_model_len or getattr(hf, "max_position_embeddings", 2048)
+    max_len = cfg.max_model_len
     linear, other = count_parameters(hf)
-    on_gpu = gpu_memory is not None
-    budget_tokens = max_num_batched_tokens or (8192 if on_gpu else 2048)
+    budget_tokens = cfg.max_num_batched_tokens
     rows = []
     for name, (w_bytes, elem) in WEIGHT_FORMATS.items():
         weights = linear * w_bytes + other * elem

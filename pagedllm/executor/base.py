@@ -1,4 +1,7 @@
-"""The surface the engine drives, and the choice of executor from the config."""
+"""The surface the engine drives, and what the executors share.
+
+The executors import this module, so it imports none of them: the choice of executor is
+`pagedllm.executor.make_executor`."""
 
 from __future__ import annotations
 
@@ -6,9 +9,7 @@ from typing import Protocol
 
 import torch
 
-from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.model_executor.loader import ModelSource
 from pagedllm.worker.model_runner import RunnerOutput
 
 
@@ -85,19 +86,3 @@ class RankGroupExecutor:
 
     def shutdown(self) -> None:
         self._finalizer()
-
-
-def make_executor(config: EngineConfig, source: ModelSource, hf_config, max_model_len: int) -> Executor:
-    """In-process for one device; worker processes (or Ray actors) for tensor parallelism."""
-    backend = config.distributed_executor_backend
-    if config.tensor_parallel_size == 1 and backend is None:
-        from pagedllm.executor.uniproc import UniprocExecutor
-
-        return UniprocExecutor(config, source, hf_config, max_model_len)
-    if backend == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
-
-        return RayExecutor(config, source, hf_config, max_model_len)
-    from pagedllm.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor(config, source, hf_config, max_model_len)

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from pagedllm.config import EngineConfig
 from pagedllm.executor.base import ExecutorDeadError, RankGroupExecutor
 from pagedllm.executor.worker import worker_main
-from pagedllm.model_executor.loader import ModelSource
+from pagedllm.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 

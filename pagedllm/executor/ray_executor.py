@@ -16,7 +16,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.executor.base import ExecutorDeadError, RankGroupExecutor
 from pagedllm.executor.worker import Worker
-from pagedllm.model_executor.loader import ModelSource
+from pagedllm.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,11 @@ def _kill_actors(actors: list) -> None:
 class RayExecutor(RankGroupExecutor):
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
         import ray
-        import torch
 
         if not ray.is_initialized():
             ray.init(address="auto")  # join the running cluster (`ray start --head` on the head node)
         self.world_size = world = config.tensor_parallel_size
-        cuda = (config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        cuda = config.device.startswith("cuda")
         opts = {"num_gpus": 1, "num_cpus": 0} if cuda else {"num_cpus": 1}
         actor_cls = ray.remote(**opts)(RayWorker)
         self._dead: str | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerOutput
-from pagedllm.model_executor.loader import ModelSource
+from pagedllm.model_source import ModelSource
 from pagedllm.worker.model_runner import ModelRunner, RunnerOutput
 
 

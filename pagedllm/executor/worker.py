@@ -18,7 +18,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import destroy_distributed, init_distributed
-from pagedllm.model_executor.loader import ModelSource
+from pagedllm.model_source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ CALLS = ("info", "determine_num_blocks", "allocate_kv_cache", "capture_graphs", 
 def rank_device(config: EngineConfig, local_index: int) -> torch.device:
     """GPU `local_index` of those this process sees on CUDA (rank r on one host: GPU r; a
     Ray actor sees only its own GPU: 0); every rank uses the CPU otherwise."""
-    dev = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(config.device)
     if dev.type == "cuda":
         return torch.device("cuda", local_index)
     return dev

@@ -1,8 +1,8 @@
 """SchedulerOutput -> tensors -> model -> logits -> sampled tokens.
 
 The runner keeps, per request, what sampling needs across steps (all token ids, settings,
-its private generator when seeded), so the scheduler only sends each step which tokens to
-compute and where they live in the cache.
+its private generator when seeded) and its block table (`BlockTables`), so the scheduler
+only sends each step which tokens to compute and the blocks added since the last step.
 
 A step is `launch`ed (everything queued on the device, nothing waited for) and its result
 read later. Under async scheduling the engine launches step N+1 before reading step N: a
@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import ScheduledChunk, SchedulerOutput
+from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
 from pagedllm.model_executor.layers.sampler import (
@@ -33,6 +33,7 @@ from pagedllm.model_executor.layers.sampler import (
 )
 from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.block_table import BlockTables
 
 logger = logging.getLogger(__name__)
 
@@ -95,23 +96,13 @@ class LaunchedStep:
         return out
 
 
-def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
-    names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    if dtype != "auto":
-        return names[dtype]
-    if device.type == "cpu":
-        return torch.float32  # CPU half-precision matmuls are slow or missing
-    cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    cfg = names.get(str(cfg).replace("torch.", ""), None) if cfg is not None else None
-    return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
+        if not config.resolved:
+            raise ValueError("the model runner needs a resolved config (EngineConfig.resolve)")
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(self.device)
@@ -124,6 +115,7 @@ class ModelRunner:
         gen.manual_seed(config.seed)
         self.sampler = Sampler(gen)
         self.states: dict[str, _ReqState] = {}
+        self.block_tables = BlockTables(-(-max_model_len // self.block_size))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists (CUDA only)
         # Tokens sampled by the latest launched step, on the device, and each request's row.
@@ -158,12 +150,13 @@ class ModelRunner:
         seq_lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
         per_seq = -(-self.max_model_len // self.block_size)
         self.allocate_kv_cache(per_seq * len(seq_lens))
-        chunks = [ScheduledChunk(f"profile{i}", 0, n, list(range(i * per_seq, (i + 1) * per_seq)), False)
-                  for i, n in enumerate(seq_lens)]
-        self.states = {c.request_id: _ReqState([0] * c.num_tokens, c.num_tokens, SamplingParams(), None)
-                       for c in chunks}
+        chunks = [ScheduledChunk(f"profile{i}", 0, n, list(range(i * per_seq, (i + 1) * per_seq)), False,
+                                 full_table=True) for i, n in enumerate(seq_lens)]
+        self._update_states(SchedulerOutput(
+            new_requests=[NewRequestData(c.request_id, [0] * c.num_tokens, [], SamplingParams()) for c in chunks],
+            chunks=chunks))
         _, arrays, _ = self._layout(chunks)
-        self.states = {}
+        self._update_states(SchedulerOutput(finished_req_ids=[c.request_id for c in chunks]))
         ids, pos, meta = self._metadata(arrays, 0)
         with torch.inference_mode():
             h = self.model(ids, pos, self.kv_caches, meta)
@@ -204,6 +197,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply a step's deltas, in the order the scheduler made them: finished requests
+        go before new ones (an id may be reused), blocks after both. Runs before anything
+        else in `launch`, so a step that fails later leaves the state in step with the
+        scheduler's."""
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
         for new in so.new_requests:
@@ -216,23 +213,26 @@ class ModelRunner:
                 list(new.prompt_token_ids) + list(new.output_token_ids),
                 len(new.prompt_token_ids), p, gen,
             )
+        self.block_tables.update(so.finished_req_ids, so.chunks)
 
     def _layout(self, chunks) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
         """Host-side arrays of one step: token ids, positions, slots and per-sequence
-        bookkeeping, computed with numpy rather than per-token Python."""
+        bookkeeping, computed with numpy rather than per-token Python. The block tables
+        are one gather from the persistent `block_tables` (already updated by this step's
+        deltas), whose block counts also check that every token has a slot."""
         bs = self.block_size
         n = len(chunks)
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=n)
         lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=n)
         q_start = np.zeros(n, dtype=np.int64)
         np.cumsum(lens[:-1], out=q_start[1:])
-        width = max(len(c.block_table) for c in chunks)
-        tables = np.zeros((n, width), dtype=np.int32)
+        tables, counts = self.block_tables.gather(self.block_tables.rows((c.request_id for c in chunks), n))
+        if (starts + lens > counts * bs).any():  # cheap: a lost delta would write stray slots
+            raise RuntimeError("a scheduled chunk runs past its request's blocks on the worker")
         ids: list[int] = []
         fill_rows: list[int] = []
         fill_src: list[int] = []
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = c.block_table
+        for c in chunks:
             toks = self.states[c.request_id].token_ids
             if c.num_tokens == 1:
                 if c.start < len(toks):

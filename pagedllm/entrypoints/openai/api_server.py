@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
-from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.async_engine import AsyncLLM
 
 from .cli_args import (
     ServerLimits,
@@ -205,7 +205,7 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = None,
+def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None,
               chat_template: str | None = None, metrics_require_api_key: bool = False,
               health_require_api_key: bool = False, limits: ServerLimits | None = None,
               allowed_origins: list[str] | None = None) -> FastAPI:
@@ -270,7 +270,7 @@ def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = N
     @app.get("/v1/engine/stats")
     async def stats() -> dict:
         """Scheduler and KV-cache numbers as JSON, e.g. to watch blocks return to the pool."""
-        return {**dataclasses.asdict(engine.stats()), "healthy": engine.is_healthy}
+        return {**msgspec.structs.asdict(engine.stats()), "healthy": engine.is_healthy}
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -302,10 +302,10 @@ def build_app(engine: AsyncEngine, config: EngineConfig, api_key: str | None = N
     return app
 
 
-def startup_banner(engine: AsyncEngine, config: EngineConfig, names: list[str], host: str,
+def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], host: str,
                    port: int, api_key: bool, metrics_key: bool = False) -> str:
     """What an operator tunes by: the model, the KV pool and the token budget."""
-    d = engine.engine.describe()
+    d = engine.describe()
     shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
     return "\n".join([
         f"pagedllm {__version__}: serving {', '.join(names)}",
@@ -335,7 +335,7 @@ def run_server(args: argparse.Namespace) -> None:
         config = engine_config(args)
         limits = server_limits(args)
         chat_template = load_chat_template(args.chat_template)
-        engine = AsyncEngine.from_config(config)
+        engine = AsyncLLM(config)  # the engine core starts in a process of its own
     except (ValueError, OSError, RuntimeError) as e:
         logger.debug("startup failed", exc_info=True)
         raise SystemExit(f"pagedllm: cannot start: {e}") from None
@@ -351,9 +351,13 @@ def run_server(args: argparse.Namespace) -> None:
         # After the drain, handlers ended at its deadline need a moment to send their error.
         server_config = uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level=args.log_level, timeout_graceful_shutdown=5)
-        DrainingServer(server_config, app.state.drain, on_deadline=engine.stop).run()
+        server = DrainingServer(server_config, app.state.drain, on_deadline=engine.stop)
+        engine.add_dead_callback(server.engine_died)
+        server.run()
     finally:
         engine.shutdown()
+    if server.engine_died_at is not None:
+        raise SystemExit("pagedllm: the engine stopped; see the log above")
 
 
 def main(argv: list[str] | None = None) -> None:

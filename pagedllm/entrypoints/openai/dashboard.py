@@ -22,7 +22,7 @@ from importlib import resources
 
 from prometheus_client import CollectorRegistry
 
-from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DashboardSampler:
     is built: an app over a stand-in engine (tests of the HTTP layer) builds fine and its
     sampler simply stops at the first sample it cannot take."""
 
-    def __init__(self, stats: Callable[[], EngineStats], registry: Callable[[], CollectorRegistry],
+    def __init__(self, stats: Callable[[], SchedulerStats], registry: Callable[[], CollectorRegistry],
                  model_name: str, capacity: int = 300, interval: float = 1.0,
                  hit_rate_window: int = 10):
         if capacity < 2 or interval <= 0 or hit_rate_window < 1:
@@ -92,7 +92,7 @@ class DashboardSampler:
         self.model_name = model_name
         self.capacity, self.interval, self.hit_rate_window = capacity, interval, hit_rate_window
         self.points: deque[Point] = deque(maxlen=capacity)
-        self._latest_stats: EngineStats | None = None
+        self._latest_stats: SchedulerStats | None = None
         self._latest_counters: dict[str, float] = {}
         self._latest_reasons: dict[str, int] = {}
 

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .dashboard import DashboardSampler, dashboard_html
 
 if TYPE_CHECKING:
-    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.async_engine import AsyncLLM
 
 METRICS_PATH = "/metrics"
 DASHBOARD_PATH = "/dashboard"
@@ -39,10 +39,10 @@ _DASHBOARD_HEADERS = {
 }
 
 
-def engine_sampler(engine: AsyncEngine, model_name: str) -> DashboardSampler:
-    """A sampler over an AsyncEngine: its stats snapshot (safe from the event loop
-    thread) and the registry of the LLMEngine it drives."""
-    return DashboardSampler(lambda: engine.stats(), lambda: engine.engine.metrics.registry,
+def engine_sampler(engine: AsyncLLM, model_name: str) -> DashboardSampler:
+    """A sampler over an AsyncLLM: its stats snapshot and its metrics registry (both
+    safe from the event loop thread)."""
+    return DashboardSampler(lambda: engine.stats(), lambda: engine.metrics.registry,
                             model_name)
 
 
@@ -58,14 +58,14 @@ async def sampling(sampler: DashboardSampler) -> AsyncIterator[None]:
             await task
 
 
-def add_metrics_routes(app: FastAPI, engine: AsyncEngine, sampler: DashboardSampler) -> None:
+def add_metrics_routes(app: FastAPI, engine: AsyncLLM, sampler: DashboardSampler) -> None:
     """GET /metrics, /dashboard and /dashboard/data on `app`."""
     page = dashboard_html()  # read once: a missing file fails at startup, not per request
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def metrics() -> Response:
         # Rendering reads the counters under their locks; it never waits on the engine loop.
-        body = generate_latest(engine.engine.metrics.registry)
+        body = generate_latest(engine.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(DASHBOARD_PATH, include_in_schema=False)

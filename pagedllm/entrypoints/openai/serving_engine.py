@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import (
-    AsyncEngine,
+    AsyncLLM,
     EngineDeadError,
     EngineShutdownError,
     RequestFailedError,
@@ -159,7 +159,7 @@ class Admission:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, config: EngineConfig, chat_template: str | None = None,
+    def __init__(self, engine: AsyncLLM, config: EngineConfig, chat_template: str | None = None,
                  admission: Admission | None = None):
         self.engine = engine
         self.admission = admission or Admission()

@@ -79,10 +79,20 @@ class DrainingServer(uvicorn.Server):
     the drain time is up with requests still running (it should end them: the engine's
     `stop`, which fails their streams, so their handlers return)."""
 
+    # After the engine died: how long the requests it failed have to send their 503s.
+    DEAD_ENGINE_GRACE_S = 1.0
+
     def __init__(self, config: uvicorn.Config, drain: Drain, on_deadline: Callable[[], None]):
         super().__init__(config)
         self.drain = drain
         self.on_deadline = on_deadline
+        self.engine_died_at: float | None = None
+
+    def engine_died(self) -> None:
+        """The engine cannot serve any more (from any thread): answer 503 for a moment,
+        then stop; `run_server` then exits non-zero, so a supervisor restarts it."""
+        if self.engine_died_at is None:
+            self.engine_died_at = time.monotonic()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # The signal is not recorded as uvicorn does: uvicorn re-raises recorded signals
@@ -97,6 +107,10 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         drain = self.drain
+        died = self.engine_died_at
+        if died is not None and not self.should_exit and time.monotonic() - died > self.DEAD_ENGINE_GRACE_S:
+            logger.error("the engine has stopped: shutting the server down")
+            self.should_exit = True
         if drain.draining and not self.should_exit:
             if drain.in_flight == 0:
                 logger.info("drained: no request is running")

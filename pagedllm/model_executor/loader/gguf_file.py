@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's format): config, weights and tokenizer from one file.
+"""GGUF checkpoints (llama.cpp's format): config and weights from one file (the tokenizer
+from the same file: pagedllm.tokenizers.loading).
 
 Weights are dequantized to float at load with the `gguf` package's own dequantizers, except
 where a packed kernel exists: Q4_0 and Q8_0 blocks are exactly GPTQ groups of 32 (one fp16
@@ -12,7 +13,6 @@ pairs); we undo that so the tensors match the Hugging Face layout our model uses
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -198,10 +198,3 @@ def gguf_weights(path: str, config, quant: QuantConfig | None = None) -> Iterato
             data = _unpermute(data, heads)
         data = np.ascontiguousarray(data)
         yield name, torch.from_numpy(data if data.flags.writeable else data.copy())
-
-
-def gguf_tokenizer(path: str):
-    """transformers builds a fast tokenizer (with the chat template) from GGUF metadata."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))

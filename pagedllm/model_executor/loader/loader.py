@@ -1,16 +1,10 @@
-"""Find what a `model` argument points at and build the model with its weights.
-
-Accepted: a Hugging Face checkpoint directory (config.json + *.safetensors or *.bin), a
-GGUF file, or, with load_format="dummy", a directory or config.json alone (random weights
-of that architecture, for benchmarks).
-"""
+"""Build the model a ModelSource points at (pagedllm.model_source), with its weights."""
 
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,41 +13,10 @@ from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization import resolve_quant_config
 from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_quant_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
-from pagedllm.model_executor.models.zoo import zoo_architecture, zoo_config
+from pagedllm.model_executor.models.remote_code import remote_code_architecture, remote_code_config
 
-
-@dataclass
-class ModelSource:
-    path: str
-    kind: str  # "hf" | "gguf"
-    load_format: str  # "safetensors" | "pt" | "gguf" | "dummy"
-
-
-def resolve_source(model: str, load_format: str = "auto") -> ModelSource:
-    path = os.path.expanduser(model)
-    if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"model {model!r} not found: give a local Hugging Face checkpoint directory or a "
-            ".gguf file (no model hub is contacted)"
-        )
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return ModelSource(path, "gguf", "dummy" if load_format == "dummy" else "gguf")
-    if os.path.isfile(path) and path.endswith(".json"):
-        if load_format != "dummy":
-            raise ValueError("a config.json alone needs load_format='dummy' (random weights)")
-        return ModelSource(os.path.dirname(os.path.abspath(path)), "hf", "dummy")
-    if not os.path.isdir(path):
-        raise ValueError(f"{model!r} is neither a checkpoint directory nor a .gguf file")
-    if load_format == "auto":
-        if glob.glob(os.path.join(path, "*.safetensors")):
-            load_format = "safetensors"
-        elif glob.glob(os.path.join(path, "*.bin")) or glob.glob(os.path.join(path, "*.pt")):
-            load_format = "pt"
-        elif ggufs := sorted(glob.glob(os.path.join(path, "*.gguf"))):
-            return ModelSource(ggufs[0], "gguf", "gguf")
-        else:
-            raise ValueError(f"no weights (*.safetensors, *.bin, *.gguf) in {path!r}")
-    return ModelSource(path, "hf", load_format)
+# resolve_source is re-exported: the engine imports it from here.
+from pagedllm.model_source import ModelSource, resolve_source  # noqa: F401
 
 
 def load_hf_config(source: ModelSource):
@@ -68,8 +31,8 @@ def load_hf_config(source: ModelSource):
 
         with open(cfg_path) as f:
             raw = json.load(f)
-        if zoo_architecture(raw):
-            return zoo_config(raw)
+        if remote_code_architecture(raw):
+            return remote_code_config(raw)
     from transformers import AutoConfig
 
     try:
@@ -156,8 +119,8 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     elif source.kind == "gguf":
         model.load_weights(gguf_weights(source.path, hf_config, quant))
     else:
-        # The remote-code renamers (models/zoo.py) reshape and split whole fused tensors,
+        # The remote-code renamers (models/remote_code.py) reshape and split whole fused tensors,
         # so those checkpoints are read whole; every other model's layers cut their own
         # slice out of a lazy one.
-        model.load_weights(_hf_weights(source, lazy=getattr(hf_config, "zoo_family", None) is None))
+        model.load_weights(_hf_weights(source, lazy=getattr(hf_config, "remote_code_family", None) is None))
     return model.eval()

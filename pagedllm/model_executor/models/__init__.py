@@ -5,7 +5,7 @@ from __future__ import annotations
 from pagedllm.model_executor.models.glm import GlmForCausalLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
-from pagedllm.model_executor.models.zoo import ZOO_FAMILY, ZooForCausalLM
+from pagedllm.model_executor.models.remote_code import REMOTE_CODE_FAMILY, RemoteCodeForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -15,8 +15,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": GlmForCausalLM,
     **{arch: MoeForCausalLM for arch in MOE_ARCHITECTURES},
-    # remote-code checkpoints, read without running their code (models/zoo.py)
-    **{arch: ZooForCausalLM for arch in ZOO_FAMILY},
+    # remote-code checkpoints, read without running their code (models/remote_code.py)
+    **{arch: RemoteCodeForCausalLM for arch in REMOTE_CODE_FAMILY},
 }
 
 

@@ -4,11 +4,11 @@ The decoder (llama.py) is one parametrised implementation; it looks its architec
 here once (ModelShape) and from then on reads switches, never names. What a single
 checkpoint decides (bias flags, rope scaling, sliding windows, tied embeddings) stays in
 its config and is read there; what is fixed by the architecture is written here. The
-remote-code families (models/zoo.py) are Llama-shaped: their translated configs carry
+remote-code families (models/remote_code.py) are Llama-shaped: their translated configs carry
 the switches that vary between their checkpoints (`qkv_bias`, `alibi`,
 `rotary_interleaved`, ...), so their entries are plain.
 
-Every name in models.MODEL_REGISTRY has an entry (tests/test_zoo.py checks it).
+Every name in models.MODEL_REGISTRY has an entry (tests/test_remote_code.py checks it).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                                weights_in_fp32=True)),
     "Qwen2MoeForCausalLM": ArchSpec(moe=_QWEN_MOE),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=_QWEN_MOE),
-    # remote-code checkpoints (models/zoo.py): switches come with the translated config
+    # remote-code checkpoints (models/remote_code.py): switches come with the translated config
     "InternLMForCausalLM": LLAMA,
     "InternLM2ForCausalLM": LLAMA,
     "InternLM3ForCausalLM": LLAMA,

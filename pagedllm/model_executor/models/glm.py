@@ -1,7 +1,7 @@
 """transformers' `GlmForCausalLM` (GLM-4-9B "-hf" checkpoints) and `Glm4ForCausalLM`
 (GLM-4-0414), loaded as the Llama decoder.
 
-The math is ChatGLM's (models/zoo.py): interleaved-pair rotary on the first
+The math is ChatGLM's (models/remote_code.py): interleaved-pair rotary on the first
 `partial_rotary_factor` of each head, GQA, bias on q/k/v but not on o_proj, silu(gate) * up.
 Their entries in models/architectures.py switch these on, Glm4's two extra norms
 included. What is left here is the checkpoint's fused `mlp.gate_up_proj` ([gate | up]

@@ -1,5 +1,5 @@
 """One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, GLM), also
-serving the remote-code families of models/zoo.py (InternLM, Baichuan, Qwen v1, ChatGLM).
+serving the remote-code families of models/remote_code.py (InternLM, Baichuan, Qwen v1, ChatGLM).
 
 They differ only in switches: what the architecture fixes comes from its entry in
 models/architectures.py (bias on q/k/v for Qwen2, per-head q/k RMSNorm for Qwen3,

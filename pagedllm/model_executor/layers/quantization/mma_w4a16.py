@@ -4,8 +4,8 @@ The engine routes one row (batch-1 decode) here; from 2 rows on the Triton plane
 was as fast or faster on an H200, so it keeps them.
 
 Why a third kernel: a decode step at small batch reads every weight once, so the product
-should run at the card's memory bandwidth. The Triton kernels of triton_w4a16 ran Llama-2-7B's
-linears at about 1.5 TB/s on an H200: the GEMV spent seven instructions a weight (one
+should run at the card's memory bandwidth. The Triton kernels of triton_w4a16 fell well
+short of it on Llama-2-7B's linears: the GEMV spent seven instructions a weight (one
 activation load per 16-bit value, addresses, masks) and was bound by issue; the tensor-core
 planes kernel needed 189 registers, so two warps a scheduler were too few to hide its
 latencies; and both split K over programs whose float32 partials a last arrival adds.
@@ -202,8 +202,8 @@ def pick_config(n: int, k: int, num_sms: int) -> tuple[int, int, bool]:
     """(columns a program, warps = K splits a program, ROW_SUMS), from Llama-2-7B's
     linears at one row on an H200 (benchmarks/results, 'mma_sweep'): 32 columns, the
     fewest warps that make about 10 a SM (qkv 4, gate_up 2, o and down 8), never more
-    warps than tiles of K; row sums for long inputs (down: 14.5 us against 16.8 without;
-    every other linear was slower with them)."""
+    warps than tiles of K; row sums for long inputs (faster for down, the longest; every
+    other linear was slower with them)."""
     programs = triton.cdiv(n, 32)
     warps = next((w for w in (2, 4) if programs * w >= 10 * num_sms), 8)
     while warps > 1 and warps > triton.cdiv(k, TILE_K):

@@ -462,9 +462,8 @@ def _wna16_planes(
     MAGIC with the tile in one group (SUB): the planes arrive as q - z in 16 bits
     (_magic_sub_planes), one product per plane into a partial sum that the tile's scale
     multiplies. FOLD (up to 16 rows): the planes arrive as (q - z) s and every product
-    goes straight into the accumulator, with no partial per tile (7B layer at 16 rows,
-    each linear at its best configuration: 70.8 us, against 72.8 with the partials; from
-    17 rows the partials win, a scale per weight costing more than one per output).
+    goes straight into the accumulator, with no partial per tile (faster up to 16 rows;
+    from 17 rows the partials win, a scale per weight costing more than one per output).
     MAGIC with smaller groups: the planes are MAGIC_F + q and a second product with
     -(z + MAGIC_F) per plane takes the offset and the zero point away (_plane_step).
     TWO_ACC adds even and odd planes into two accumulators: two chains of dependent
@@ -475,7 +474,7 @@ def _wna16_planes(
     points included (with the kernel's num_stages alone only loads feeding `tl.dot` are).
     Otherwise the scale of the next tile is loaded a tile ahead: a 2-byte load per thread
     cannot go through those asynchronous copies, and loaded where it is used it cost a
-    memory round trip per tile (7B linears at 16 rows: 5-15% faster so)."""
+    memory round trip per tile."""
     PACK: tl.constexpr = 32 // BITS
     ROWS: tl.constexpr = 16
     TILE_K: tl.constexpr = ROWS * PACK
@@ -578,9 +577,9 @@ def _dequant_chunk(
 # Many rows (large decode batches, prefill): dequantize a chunk of columns into a scratch
 # buffer and let cuBLAS multiply, chunk after chunk; the buffer is reused by every chunk and
 # every layer. It holds 64M values (128 MB in 16 bits): a 7B model's qkv and down in one
-# product, gate_up in two equal halves. A buffer that fits in L2 (16M values) was slower on
-# an H200 at 256 rows (7B layer 328 us against 297): the float weights did not stay in
-# cache anyway, and the narrower products kept cuBLAS from filling the SMs.
+# product, gate_up in two equal halves. A buffer that fits in L2 (16M values) was slower:
+# the float weights did not stay in cache anyway, and the narrower products kept cuBLAS
+# from filling the SMs.
 SCRATCH_ELEMENTS = 64 * 1024 * 1024
 EXP23 = 0x4B000000  # the bits of the float 2^23 (_plane_values)
 # Split-K tiles count their finished splits here (_finish); each count is back to 0 when
@@ -670,7 +669,7 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
     # 16-bit activations, else float32 with the zero point in a second product); up to 16
     # rows even and odd planes go to two accumulators (two_acc) and the scales are folded
     # into the 16-bit weights (fold; from 17 rows a float32 partial per tile is scaled
-    # instead: Llama-2-7B's stack at 64 rows was 0.67x bf16 folded, 0.75x so).
+    # instead, which was faster there).
     tile_k = tile_k_for(bits)
     if m == 1:
         bm, bn, warps, stages = 1, 64, 4, 3
@@ -680,12 +679,11 @@ def pick_config(m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
         # One tile shape for every linear, and as many splits as fill one wave of programs
         # and no more (at most 8): 4 programs fit on an SM (189 registers a thread and
         # 26 KB of shared memory each), and a second wave of a few programs would take
-        # nearly as long as the first. Llama-2-7B at 16 rows on an H200, one call each in a
-        # CUDA graph: gate_up 25.1 us with 3 splits (516 programs), 28.8 us with 4 (688).
+        # nearly as long as the first.
         bm, bn, warps, stages = 16, 128, 2, 3
         tiles = triton.cdiv(n, bn)
         split = min(8, 4 * num_sms // tiles, k // (2 * tile_k))
-    else:  # 17..127 rows; qkv at 64 rows: 35.2 us (bf16 26.4)
+    else:  # 17..127 rows
         bm, bn, warps, stages = 32, 128, 4, 3
         tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         split = min(triton.cdiv(2 * num_sms, tiles), k // (2 * tile_k))

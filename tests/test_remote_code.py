@@ -12,12 +12,12 @@ import random
 import shutil
 
 import pytest
+import remote_code_converters as converters
 import torch
-import zoo_converters as zc
 from hf_models import hf_greedy, random_tiny_model
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_executor.models.zoo import zoo_config
+from pagedllm.model_executor.models.remote_code import remote_code_config
 
 MAX_NEW = 8
 
@@ -51,13 +51,13 @@ def _check(path: str, hf_model, prompts, **kw):
 
 def test_internlm2_grouped_wqkv(tmp_path):
     hf = _reference("llama", num_attention_heads=8, num_key_value_heads=2)  # 4 q per kv group
-    path = zc.to_internlm2(hf, str(tmp_path / "internlm2"))
+    path = converters.to_internlm2(hf, str(tmp_path / "internlm2"))
     _check(path, hf, _prompts(4, seed=1), max_num_batched_tokens=16)
 
 
 def test_internlm_v1_biases(tmp_path):
     hf = _reference("llama", num_key_value_heads=4, attention_bias=True)
-    path = zc.to_internlm(hf, str(tmp_path / "internlm"))
+    path = converters.to_internlm(hf, str(tmp_path / "internlm"))
     _check(path, hf, _prompts(3, seed=2))
 
 
@@ -65,16 +65,16 @@ def test_internlm3_head_dim_and_biases(tmp_path):
     """InternLM3: Llama names, an explicit head_dim wider than hidden/heads, GQA, and
     `qkv_bias` / `bias` on q/k/v, o_proj and the MLP."""
     hf = _reference("llama", head_dim=32, attention_bias=True, mlp_bias=True, rope_theta=50000.0)
-    path = zc.to_internlm3(hf, str(tmp_path / "internlm3"))
+    path = converters.to_internlm3(hf, str(tmp_path / "internlm3"))
     _check(path, hf, _prompts(3, seed=9), max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="qkv_bias=True but bias=False"):
-        zoo_config({**json.loads((tmp_path / "internlm3" / "config.json").read_text()),
+        remote_code_config({**json.loads((tmp_path / "internlm3" / "config.json").read_text()),
                     "bias": False})
 
 
 def test_baichuan_7b_w_pack(tmp_path):
     hf = _reference("llama", num_key_value_heads=4)
-    path = zc.to_baichuan(hf, str(tmp_path / "baichuan"), "BaiChuanForCausalLM")
+    path = converters.to_baichuan(hf, str(tmp_path / "baichuan"), "BaiChuanForCausalLM")
     _check(path, hf, _prompts(3, seed=3))
 
 
@@ -87,7 +87,7 @@ def test_baichuan2_norm_head(tmp_path):
     with torch.no_grad():
         hf.lm_head.weight.copy_(torch.nn.functional.normalize(hf.lm_head.weight, dim=-1))
         hf.model.norm.weight.mul_(6.0)  # unit rows give small logits: keep greedy off ties
-    path = zc.to_baichuan(hf, str(tmp_path / "baichuan2"), "BaichuanForCausalLM",
+    path = converters.to_baichuan(hf, str(tmp_path / "baichuan2"), "BaichuanForCausalLM",
                           alibi=False, norm_head=True)
     tensors = load_file(f"{path}/model.safetensors")
     rows = tensors["lm_head.weight"]
@@ -98,7 +98,7 @@ def test_baichuan2_norm_head(tmp_path):
 
 def test_qwen_v1(tmp_path):
     hf = _reference("qwen2", num_key_value_heads=4, tie_word_embeddings=False)
-    path = zc.to_qwen(hf, str(tmp_path / "qwen"))
+    path = converters.to_qwen(hf, str(tmp_path / "qwen"))
     _check(path, hf, _prompts(3, seed=5), max_num_batched_tokens=16)
 
 
@@ -106,7 +106,7 @@ def test_chatglm_half_interleaved_rotary(tmp_path):
     hf = _reference("glm", head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2,
                     rope_theta=50000.0)  # written as rope_ratio 5
     assert hf.config.rope_parameters.get("partial_rotary_factor") == 0.5
-    path = zc.to_chatglm(hf, str(tmp_path / "chatglm"))
+    path = converters.to_chatglm(hf, str(tmp_path / "chatglm"))
     _check(path, hf, _prompts(4, seed=6), max_num_batched_tokens=16)
 
 
@@ -255,11 +255,11 @@ def test_baichuan_13b_alibi(tmp_path):
 def test_baichuan_variant_detection():
     base = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
             "num_hidden_layers": 32, "vocab_size": 64000}
-    b1_7 = zoo_config({**base, "architectures": ["BaiChuanForCausalLM"]})
+    b1_7 = remote_code_config({**base, "architectures": ["BaiChuanForCausalLM"]})
     assert not b1_7.alibi and not b1_7.norm_head
-    b2_7 = zoo_config({**base, "architectures": ["BaichuanForCausalLM"], "vocab_size": 125696})
+    b2_7 = remote_code_config({**base, "architectures": ["BaichuanForCausalLM"], "vocab_size": 125696})
     assert not b2_7.alibi and b2_7.norm_head
-    b2_13 = zoo_config({**base, "architectures": ["BaichuanForCausalLM"], "hidden_size": 5120,
+    b2_13 = remote_code_config({**base, "architectures": ["BaichuanForCausalLM"], "hidden_size": 5120,
                         "num_attention_heads": 40, "vocab_size": 125696})
     assert b2_13.alibi and b2_13.norm_head and b2_13.max_position_embeddings == 4096
 
@@ -269,7 +269,7 @@ def test_published_configs_translate():
     ChatGLM3-6B) reach the decoder's shape."""
     from pagedllm.model_executor.models.llama import ModelShape
 
-    internlm2 = zoo_config({
+    internlm2 = remote_code_config({
         "architectures": ["InternLM2ForCausalLM"], "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "vocab_size": 92544, "rms_norm_eps": 1e-5,
@@ -280,7 +280,7 @@ def test_published_configs_translate():
     assert (s.head_dim, s.num_kv_heads, s.qkv_bias, s.o_bias) == (128, 8, False, False)
     assert internlm2.rope_parameters["rope_type"] == "dynamic"
     assert internlm2.rope_parameters["rope_theta"] == 1e6
-    qwen = zoo_config({
+    qwen = remote_code_config({
         "architectures": ["QWenLMHeadModel"], "hidden_size": 4096, "num_attention_heads": 32,
         "num_hidden_layers": 32, "kv_channels": 128, "intermediate_size": 22016,
         "layer_norm_epsilon": 1e-6, "rotary_emb_base": 10000, "rotary_pct": 1.0,
@@ -288,7 +288,7 @@ def test_published_configs_translate():
     s = ModelShape(qwen, "QWenLMHeadModel")
     assert (s.intermediate, s.qkv_bias, s.o_bias, s.rotary_dim) == (11008, True, False, 128)
     assert str(qwen.dtype) == "torch.bfloat16" and qwen.max_position_embeddings == 8192
-    glm = zoo_config({
+    glm = remote_code_config({
         "architectures": ["ChatGLMModel"], "num_layers": 28, "hidden_size": 4096,
         "num_attention_heads": 32, "kv_channels": 128, "multi_query_attention": True,
         "multi_query_group_num": 2, "ffn_hidden_size": 13696, "padded_vocab_size": 65024,
@@ -297,16 +297,16 @@ def test_published_configs_translate():
     s = ModelShape(glm, "ChatGLMModel")
     assert (s.num_kv_heads, s.rotary_dim, s.rotary_interleaved, s.vocab) == (2, 64, True, 65024)
     with pytest.raises(ValueError, match="ChatGLM-6B v1"):
-        zoo_config({"architectures": ["ChatGLMModel"], "num_layers": 28, "hidden_size": 4096,
+        remote_code_config({"architectures": ["ChatGLMModel"], "num_layers": 28, "hidden_size": 4096,
                     "num_attention_heads": 32, "inner_hidden_size": 16384, "vocab_size": 130528})
     with pytest.raises(ValueError, match="quantized"):
-        zoo_config({**{"architectures": ["QWenLMHeadModel"]}, "quantization_config": {"bits": 4}})
+        remote_code_config({**{"architectures": ["QWenLMHeadModel"]}, "quantization_config": {"bits": 4}})
 
 
 def test_dummy_weights_from_config_alone(tmp_path):
-    """Benchmarks and `plan` build a zoo architecture from config.json alone."""
+    """Benchmarks and `plan` build a remote-code architecture from config.json alone."""
     hf = _reference("glm", head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2)
-    zc.to_chatglm(hf, str(tmp_path))
+    converters.to_chatglm(hf, str(tmp_path))
     llm = LLM(model=str(tmp_path / "config.json"), load_format="dummy", skip_tokenizer_init=True,
               block_size=4, num_kv_blocks=32)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3,
@@ -394,7 +394,7 @@ def test_glm4_tiktoken_tokenizer(tmp_path):
 def test_qwen_v1_serves_chat_with_its_tokenizer(tmp_path):
     hf = _reference("qwen2", num_key_value_heads=4, tie_word_embeddings=False, vocab_size=512)
     path = tmp_path / "qwen"
-    zc.to_qwen(hf, str(path))
+    converters.to_qwen(hf, str(path))
     n = _write_qwen_tokenizer(path)
     llm = LLM(model=str(path), block_size=4, num_kv_blocks=64)
     assert {n, n + 2} <= set(llm.engine.eos_token_ids)
@@ -474,7 +474,7 @@ def _chatglm_llm(tmp_path, sp_model, name: str, tokenizer_config: dict):
     """A ChatGLM-layout checkpoint of a tiny Glm reference with a ChatGLM tokenizer."""
     hf = _reference("glm", head_dim=16, attention_bias=True, pad_token_id=0, eos_token_id=2,
                     vocab_size=352)
-    zc.to_chatglm(hf, str(tmp_path / name))
+    converters.to_chatglm(hf, str(tmp_path / name))
     _sp_dir(tmp_path, sp_model, name, {
         "tokenizer_class": "ChatGLMTokenizer", **tokenizer_config,
         "auto_map": {"AutoTokenizer": ["tokenization_chatglm.ChatGLMTokenizer", None]}})
@@ -538,7 +538,7 @@ def test_internlm_v1_chat_format(tmp_path, internlm_sp_model):
     tokens, and a reply stops at <eoa> as well as at </s>."""
     hf = _reference("llama", num_key_value_heads=4, attention_bias=True, vocab_size=352)
     path = tmp_path / "internlm"
-    zc.to_internlm(hf, str(path))
+    converters.to_internlm(hf, str(path))
     _sp_dir(tmp_path, internlm_sp_model, "internlm", {
         "tokenizer_class": "InternLMTokenizer", "add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>",
         "auto_map": {"AutoTokenizer": ["tokenization_internlm.InternLMTokenizer", None]}})
@@ -579,7 +579,7 @@ def baichuan_sp_model(tmp_path_factory):
 def _baichuan2_chat_dir(tmp_path, sp_model, vocab_size: int = 320):
     hf = _reference("llama", num_key_value_heads=4, vocab_size=vocab_size)
     path = tmp_path / "baichuan2"
-    zc.to_baichuan(hf, str(path), "BaichuanForCausalLM", alibi=False, norm_head=False)
+    converters.to_baichuan(hf, str(path), "BaichuanForCausalLM", alibi=False, norm_head=False)
     _sp_dir(tmp_path, sp_model, "baichuan2", {
         "tokenizer_class": "BaichuanTokenizer", "add_bos_token": False, "bos_token": "<s>",
         "eos_token": "</s>",

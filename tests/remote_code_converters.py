@@ -1,6 +1,6 @@
 """Test-side converters: a tiny HF reference model -> the ORIGINAL remote-code checkpoint
 layout (config.json with the original architectures/auto_map/key names, safetensors with
-the original tensor names), following /work/shared/reference/FORMATS.md."""
+the original tensor names), following the project's format notes."""
 
 from __future__ import annotations
 

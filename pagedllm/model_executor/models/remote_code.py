@@ -5,7 +5,7 @@ transformers cannot build these configs without `trust_remote_code`, so config.j
 read as a plain dict and translated into a `LlamaConfig` carrying the decoder's switches
 (`qkv_bias`, `alibi`, `rotary_interleaved`, ...). The checkpoint's tensors are renamed
 (and fused tensors split) into Llama names on the fly, then loaded as a Llama checkpoint.
-Layouts: /work/shared/reference/FORMATS.md (sections 3-6).
+Layouts: the project's format notes (sections 3-6).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _llama_config(raw: dict, arch: str, **kw):
     cfg = LlamaConfig(architectures=[arch], dtype=dtype, hidden_act="silu", **kw)
     for k, v in switches.items():
         setattr(cfg, k, v)
-    cfg.zoo_family = ZOO_FAMILY[arch]
+    cfg.remote_code_family = REMOTE_CODE_FAMILY[arch]
     return cfg
 
 
@@ -268,7 +268,7 @@ def _same(cfg, weights: Weights) -> Iterator:
 
 
 # architecture -> family; family -> (config builder, weight renamer)
-ZOO_FAMILY = {
+REMOTE_CODE_FAMILY = {
     "InternLMForCausalLM": "internlm",
     "InternLM2ForCausalLM": "internlm2",
     "InternLM3ForCausalLM": "internlm3",
@@ -288,24 +288,24 @@ _FAMILIES: dict[str, tuple[Callable, Callable]] = {
 }
 
 
-def zoo_architecture(raw: dict) -> str | None:
+def remote_code_architecture(raw: dict) -> str | None:
     for arch in raw.get("architectures") or []:
-        if arch in ZOO_FAMILY:
+        if arch in REMOTE_CODE_FAMILY:
             return arch
     return None
 
 
-def zoo_config(raw: dict):
+def remote_code_config(raw: dict):
     """config.json (as a dict) of a remote-code checkpoint -> a LlamaConfig with switches."""
-    arch = zoo_architecture(raw)
+    arch = remote_code_architecture(raw)
     if arch is None:
-        raise ValueError(f"not a model-zoo architecture: {raw.get('architectures')}")
+        raise ValueError(f"not a remote-code architecture: {raw.get('architectures')}")
     if raw.get("quantization_config"):
         raise ValueError(f"quantized {arch} checkpoints are not supported (float weights only)")
-    return _FAMILIES[ZOO_FAMILY[arch]][0](raw, arch)
+    return _FAMILIES[REMOTE_CODE_FAMILY[arch]][0](raw, arch)
 
 
-class ZooForCausalLM(LlamaForCausalLM):
+class RemoteCodeForCausalLM(LlamaForCausalLM):
     """A remote-code checkpoint: the Llama decoder, loaded through the family's renamer."""
 
     def __init__(self, config, architecture: str, max_positions: int, backend, quant=None):
@@ -313,5 +313,5 @@ class ZooForCausalLM(LlamaForCausalLM):
         self.config = config
 
     def load_weights(self, weights) -> None:
-        rename = _FAMILIES[self.config.zoo_family][1]
+        rename = _FAMILIES[self.config.remote_code_family][1]
         super().load_weights(rename(self.config, weights))

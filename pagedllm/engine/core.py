@@ -1,0 +1,231 @@
+"""The engine core: the scheduler, the executor and the step that joins them.
+
+It takes plain requests (token ids, sampling settings) and each step returns plain
+per-sequence deltas (new token ids, finish reasons). Text, stop strings, n fan-out and
+streaming belong to the front end (`pagedllm.engine.output_processor`); so the core runs
+the same in-process, under the offline `LLM`, and in a process of its own under the server.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from pagedllm.executor import ExecutorDeadError, make_executor
+from pagedllm.model_executor.loader.loader import load_hf_config
+from pagedllm.model_source import ModelSource, resolve_source
+
+
+class StepError(RuntimeError):
+    """The model step raised. Its sequences (`request_ids`) cannot go on; nothing else was
+    touched, so the core can serve the rest once they are aborted."""
+
+    def __init__(self, request_ids: list[str]):
+        super().__init__(f"the model step of {len(request_ids)} sequences failed")
+        self.request_ids = request_ids
+
+
+def load_model_config(config: EngineConfig) -> tuple[EngineConfig, ModelSource, object]:
+    """The checkpoint's location and config, and the engine config resolved against them."""
+    source = resolve_source(config.model, config.load_format)
+    hf_config = load_hf_config(source)
+    # Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window) are masked by the
+    # attention backends. GGUF configs get transformers' default window, not the file's,
+    # so none is applied to them.
+    if source.kind != "hf" and getattr(hf_config, "sliding_window", None):
+        hf_config.sliding_window = None
+    if not config.resolved:
+        import torch
+
+        config = config.resolve(hf_config, torch.cuda.is_available())
+    return config, source, hf_config
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config, source, self.hf_config = load_model_config(config)
+        config = self.config
+        # One ModelRunner in-process, or one worker per tensor-parallel rank: the same surface.
+        self.executor = make_executor(config, source, self.hf_config, config.max_model_len)
+        try:
+            num_blocks = self.executor.determine_num_blocks(config.max_num_batched_tokens,
+                                                            config.max_num_seqs)
+            self.executor.allocate_kv_cache(num_blocks)
+            self.executor.capture_graphs(config.max_num_seqs)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len)
+        self.async_scheduling = bool(config.async_scheduling)
+        self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
+        self._stashed: list[EngineCoreOutput] = []  # read after a later step failed to launch
+        self._penalized: set[str] = set()  # sequences whose sampling needs their full history
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a no-op in-process); also done at interpreter exit."""
+        self.executor.shutdown()
+
+    # ------------------------------------------------------------------ info
+    def describe(self) -> dict:
+        """What an operator needs to tune: printed at startup."""
+        c, ex, kv = self.config, self.executor, self.kv
+        bs = c.block_size
+        return {
+            "model": c.model,
+            "device": str(ex.device),
+            "dtype": str(ex.dtype).replace("torch.", ""),
+            "weights_GiB": round(ex.weight_bytes / 2**30, 3),
+            "kv_blocks": kv.num_blocks,
+            "block_size": bs,
+            "kv_tokens": kv.num_blocks * bs,
+            "kv_GiB": round(kv.num_blocks * ex.bytes_per_block / 2**30, 3),
+            "max_model_len": c.max_model_len,
+            "max_len_seqs_that_fit": round(kv.num_blocks * bs / c.max_model_len, 2),
+            "max_num_seqs": c.max_num_seqs,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "prefix_caching": c.enable_prefix_caching,
+        }
+
+    def info(self) -> CoreInfo:
+        return CoreInfo(vocab_size=self.executor.vocab_size, max_model_len=self.config.max_model_len,
+                        pool_tokens=self.kv.num_blocks * self.kv.block_size,
+                        describe=self.describe(), async_scheduling=self.async_scheduling)
+
+    def stats(self) -> SchedulerStats:
+        s, kv = self.scheduler, self.kv
+        return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.num_blocks,
+                              kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits,
+                              s.num_preemptions_total)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue one sequence; ValueError for one the model cannot take (the front end
+        checks the same first, so that a client learns before anything is queued)."""
+        vocab = self.executor.vocab_size
+        p = request.sampling_params
+        ids = request.prompt_token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if request.request_id in self._inflight_ids():
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        eos = frozenset(request.eos_token_ids)
+        p._all_stop_token_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+        self.scheduler.add_request(Request(
+            request_id=request.request_id, prompt_token_ids=ids, max_tokens=p.max_tokens,
+            eos_token_ids=eos, stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
+            min_tokens=p.min_tokens, sampling_params=p, arrival_time=request.arrival_time,
+        ))
+        if p.needs_penalties:
+            self._penalized.add(request.request_id)
+
+    def _inflight_ids(self) -> set[str]:
+        """An aborted sequence's last step may still be running: its id is not free yet."""
+        if self._inflight is None:
+            return set()
+        return {c.request_id for c in self._inflight[0].chunks}
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """End these sequences now and free their blocks (unknown or finished ids: no-op)."""
+        for rid in request_ids:
+            self.scheduler.abort(rid)
+            self.scheduler.release(rid)
+            self._penalized.discard(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        """A step still in flight whose sequences have all ended (it computed one token past
+        their end) does not count: the next step reads it, or nobody needs to."""
+        return self.scheduler.has_unfinished() or bool(self._stashed)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[EngineCoreOutput]:
+        """One iteration: schedule, run, and report what each sequence gained.
+
+        Under async scheduling a call schedules and launches step N+1, then reads step N
+        (launched by the previous call): the host's scheduling and layout run while the
+        device computes. A sequence whose sampling needs its whole history on the host
+        (penalties) turns the overlap off while it runs."""
+        outputs, self._stashed = self._stashed, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and self._penalized:
+            outputs += self._complete(*prev)
+            prev = None
+        so = self.scheduler.schedule()
+        if so.is_empty and not so.finished_req_ids:
+            if prev is not None:
+                outputs += self._complete(*prev)
+            return outputs
+        try:
+            # An empty step still lets the worker drop aborted requests.
+            ex = self.executor
+            handle = ex.launch(so) if self.async_scheduling else ex.execute(so)
+        except ExecutorDeadError:
+            raise  # not this step's fault: nothing can run any more, every request must end
+        except Exception as e:
+            if prev is not None:  # its tokens are good: delivered by the next call
+                outputs += self._complete(*prev)
+            self._stashed = outputs
+            raise StepError(self._live_ids(so)) from e
+        if not self.async_scheduling:
+            return outputs + self._process(so, handle)
+        if so.is_empty:
+            handle.result()
+        else:
+            self._inflight = (so, handle)
+        if prev is not None:
+            outputs += self._complete(*prev)
+        return outputs
+
+    def _live_ids(self, so) -> list[str]:
+        reqs = self.scheduler.requests
+        return [c.request_id for c in so.chunks if c.request_id in reqs]
+
+    def _complete(self, so, handle) -> list[EngineCoreOutput]:
+        """Wait for a launched step and report its tokens."""
+        try:
+            out = handle.result()
+        except ExecutorDeadError:
+            raise
+        except Exception as e:
+            raise StepError(self._live_ids(so)) from e
+        return self._process(so, out)
+
+    def _process(self, so, out) -> list[EngineCoreOutput]:
+        if so.is_empty:
+            return []
+        outs: dict[str, EngineCoreOutput] = {}
+        for sid, why in out.failed.items():  # e.g. NaN logits: that sequence alone ends
+            self.abort_requests([sid])
+            outs[sid] = EngineCoreOutput(sid, finish_reason="error", error=why)
+        for sid, entries in out.prompt_logprobs.items():
+            if sid not in outs:
+                outs[sid] = EngineCoreOutput(sid, new_prompt_logprobs=entries)
+        for req, token in self.scheduler.update(so, out.sampled):
+            sid = req.request_id
+            o = outs.get(sid)
+            if o is None:
+                o = outs[sid] = EngineCoreOutput(sid)
+            o.new_token_ids.append(token)
+            lp = out.logprobs.get(sid)
+            if lp is not None:
+                if o.new_logprobs is None:
+                    o.new_logprobs = []
+                o.new_logprobs.append(lp)
+            if req.last_token_time is None:  # its first token
+                o.num_cached_tokens = req.num_cached_tokens
+                o.scheduled_time = req.first_scheduled_time
+            req.last_token_time = time.monotonic()
+            if req.is_finished:
+                o.finish_reason = req.status.value
+                o.stop_reason = req.stop_reason
+                self.scheduler.release(sid)
+                self._penalized.discard(sid)
+        return list(outs.values())

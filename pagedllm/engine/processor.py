@@ -1,0 +1,100 @@
+"""A user's request -> the engine core's requests: tokenized, checked, fanned out over n.
+
+Everything a client can get wrong is checked here, in the front end, against the sizes the
+core reported at start (vocabulary, context length, pool), so a bad request fails in the
+caller with a ValueError and never reaches the core's queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from pagedllm.engine.messages import CoreInfo, EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    """The core's id of sequence `index` of a request with n sequences."""
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def eos_token_ids(hf_config, tokenizer, model_path: str) -> list[int]:
+    """Every id that ends a sequence: the model config's, the tokenizer's and
+    generation_config.json's (chat models often list several there)."""
+    ids: set[int] = set()
+    for src in (getattr(hf_config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list | tuple):
+            ids.update(int(x) for x in src)
+    gen_cfg = os.path.join(model_path, "generation_config.json")
+    if os.path.isdir(model_path) and os.path.exists(gen_cfg):
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
+
+
+class Processor:
+    def __init__(self, tokenizer, info: CoreInfo, eos_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_ids = eos_ids
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs the tokenizer (skip_tokenizer_init=False)")
+        return self.tokenizer.encode(prompt)
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """ValueError for what the model cannot take; returns the resolved max_tokens."""
+        vocab, limit = self.info.vocab_size, self.info.max_model_len
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens; this model's maximum context length "
+                             f"is {limit} including at least one generated token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        need = min(n + max_tokens, limit)
+        if need > self.info.pool_tokens:
+            raise ValueError(f"the request needs {need} tokens of KV cache (prompt {n} + "
+                             f"max_tokens {max_tokens}) but the whole pool holds "
+                             f"{self.info.pool_tokens}")
+        return max_tokens
+
+    def process(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                params: SamplingParams) -> tuple[list[int], list[SamplingParams], list[EngineCoreRequest]]:
+        """(prompt token ids, each sequence's settings, the core requests) of one request."""
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(prompt or "")
+        prompt_token_ids = list(prompt_token_ids)
+        max_tokens = self.check(prompt_token_ids, params)
+        now = time.monotonic()
+        seq_params, requests = [], []
+        for i in range(params.n):
+            p = params.clone()
+            p.max_tokens = max_tokens
+            if params.seed is not None and i:
+                p.seed = params.seed + i  # n samples of one seeded request differ
+            if i:
+                p.prompt_logprobs = None  # the prompt is reported once
+            seq_params.append(p)
+            requests.append(EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids,
+                                              p, self.eos_ids, now))
+        return prompt_token_ids, seq_params, requests
