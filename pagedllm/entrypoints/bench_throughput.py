@@ -76,7 +76,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    default=256)
     e.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch",
                    dest="max_num_batched_tokens", type=int)
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="CPU KV pool, e.g. 4GiB")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -203,13 +203,15 @@ class EngineBackend:
             "load_format": cfg.load_format, "dtype": cfg.dtype, "seed": args.seed,
             "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
+            "num_kv_blocks": args.num_kv_blocks,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "enable_prefix_caching": args.enable_prefix_caching, "device": args.device,
             "async_scheduling": args.async_scheduling,
             "tensor_parallel_size": args.tensor_parallel_size,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }
+        if args.block_size is not None:  # otherwise the engine's default
+            kwargs["block_size"] = args.block_size
         if args.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
         self.llm = LLM(model=cfg.model, **kwargs)

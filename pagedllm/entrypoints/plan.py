@@ -53,15 +53,17 @@ def count_parameters(hf_config) -> tuple[int, int]:
     return linear, total - linear
 
 
-def plan_rows(model: str | None, max_model_len: int | None = None, block_size: int = 16,
+def plan_rows(model: str | None, max_model_len: int | None = None, block_size: int | None = None,
               gpu_memory: float | None = None, gpu_memory_utilization: float = 0.9,
-              kv_cache_memory: int | None = None, max_num_seqs: int = 256,
+              kv_cache_memory: int | None = None, max_num_seqs: int | None = None,
               max_num_batched_tokens: int | None = None, load_format: str = "auto") -> tuple[dict, list[PlanRow]]:
     from pagedllm.config import EngineConfig
 
+    given = {"block_size": block_size, "max_num_seqs": max_num_seqs}  # None: the engine's default
     cfg = EngineConfig(model=model, load_format=load_format, max_model_len=max_model_len,
-                       block_size=block_size, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       **{k: v for k, v in given.items() if v is not None})
+    block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
     hf = load_hf_config(resolve_source(cfg.model, load_format))
     on_gpu = gpu_memory is not None
     # The engine's own defaults, for the device the plan is for.
@@ -101,11 +103,11 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("model_tag", nargs="?", default=None, help="model path (default: SmolLM2)")
     p.add_argument("--model", default=None)
     p.add_argument("--max-model-len", "--max-context-length", dest="max_model_len", type=int)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int)
     p.add_argument("--gpu-memory", type=float, help="GPU memory in GiB (plans for a GPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", help="CPU pool size, e.g. 4GiB")
-    p.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch", dest="max_num_batched_tokens", type=int)
     p.add_argument("--load-format", default="auto")
     p.set_defaults(func=main)
