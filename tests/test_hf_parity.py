@@ -101,13 +101,7 @@ def test_parity_tied_embeddings_and_attention_bias(tiny_models):
     _check(llm, hf, _prompts(3, seed=7))
 
 
-def test_prompt_logprobs_match_hf(tiny_models):
-    path, hf = tiny_models("qwen2")
-    prompt = _prompts(1, seed=8, lo=25, hi=25)[0]
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
-              max_num_batched_tokens=9)  # chunked: prompt logprobs arrive in pieces
-    out = llm.generate([{"prompt_token_ids": prompt}],
-                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+def _check_prompt_logprobs(out, hf, prompt: list[int]) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert out.prompt_logprobs[0] is None
@@ -117,3 +111,31 @@ def test_prompt_logprobs_match_hf(tiny_models):
         assert entry[prompt[i]].logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
         top = int(ref[i - 1].argmax())
         assert top in entry
+
+
+def test_prompt_logprobs_match_hf(tiny_models):
+    path, hf = tiny_models("qwen2")
+    prompt = _prompts(1, seed=8, lo=25, hi=25)[0]
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=9)  # chunked: prompt logprobs arrive in pieces
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    _check_prompt_logprobs(out, hf, prompt)
+
+
+def test_prompt_logprobs_are_whole_with_the_prefix_cache_warm(tiny_models):
+    """What scoring clients (echo + logprobs) rely on: a prompt whose blocks are cached,
+    whole or as a shared prefix, still gets every position's logprob, equal to HF's."""
+    path, hf = tiny_models("qwen2")
+    shared = _prompts(1, seed=9, lo=32, hi=32)[0]
+    other = shared[:20] + _prompts(1, seed=10, lo=12, hi=12)[0]
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    llm.generate([{"prompt_token_ids": shared}], SamplingParams(temperature=0, max_tokens=1))
+    hits = llm.engine.kv.prefix_hits
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    for prompt in (shared, other, shared):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+        _check_prompt_logprobs(out, hf, prompt)
+    assert llm.engine.kv.prefix_hits == hits  # the cached blocks were there, and not taken
+    llm.generate([{"prompt_token_ids": shared}], SamplingParams(temperature=0, max_tokens=1))
+    assert llm.engine.kv.prefix_hits > hits  # other requests still take them

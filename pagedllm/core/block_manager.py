@@ -80,7 +80,7 @@ class KVCacheManager:
         At least one token is always left to compute, because the step that computes it
         is the one that produces the next token's logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.skip_prefix_cache:
             return [], 0
         self._update_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

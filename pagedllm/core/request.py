@@ -40,6 +40,10 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Prompt logprobs need the logits of every prompt position, so such a request computes
+    # its whole prompt instead of taking blocks from the prefix cache (its own full blocks
+    # are still cached for the requests after it).
+    skip_prefix_cache: bool = False
     # Opaque to the core: the worker reads sampling settings from here.
     sampling_params: Any = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -119,7 +119,8 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request_id=request.request_id, prompt_token_ids=ids, max_tokens=p.max_tokens,
             eos_token_ids=eos, stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
-            min_tokens=p.min_tokens, sampling_params=p, arrival_time=request.arrival_time,
+            min_tokens=p.min_tokens, skip_prefix_cache=p.prompt_logprobs is not None,
+            sampling_params=p, arrival_time=request.arrival_time,
         ))
         if p.needs_penalties:
             self._penalized.add(request.request_id)
