@@ -337,6 +337,46 @@ def test_waiting_requests_are_capped_with_503_and_retry_after(engine, monkeypatc
     wait_idle(engine)
 
 
+def test_admission_counts_sequences_and_bounds_one_requests_share(engine, monkeypatch):
+    """prompts x n is what a request puts in the queue; one request may take at most a
+    quarter of the cap, refused before its prompts are read."""
+    from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    app = make_app(engine, limits=ServerLimits(max_waiting_requests=8))
+    with serve(app) as u, http(u) as c:
+        assert c.post("/v1/completions", json=completion("Hi", max_tokens=2, n=2)).status_code == 200
+        encode = OpenAIServing.encode
+        monkeypatch.setattr(OpenAIServing, "encode", lambda *a, **k: pytest.fail("tokenized"))
+        for body in (completion("Hi", max_tokens=2, n=3), completion(["a", "b"], max_tokens=2, n=2)):
+            err = assert_openai_error(c.post("/v1/completions", json=body), 400)
+            assert "sequences" in err["message"] and "--max-waiting-requests" in err["message"]
+            assert err["param"] == "n"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 3}
+        assert "sequences" in assert_openai_error(c.post("/v1/chat/completions", json=chat), 400)["message"]
+        monkeypatch.setattr(OpenAIServing, "encode", encode)
+        assert app.state.admission.waiting == 0
+    wait_idle(engine)
+
+
+def test_a_prompt_too_long_to_fit_is_refused_unread(engine, url, monkeypatch):
+    """Characters are counted before anything is tokenized: megabytes of prompt are a quick
+    400, not seconds of tokenizing on the server."""
+    from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+
+    monkeypatch.setattr(OpenAIServing, "encode", lambda *a, **k: pytest.fail("tokenized"))
+    huge = "word " * (MAX_LEN * OpenAIServing.MAX_CHARS_PER_TOKEN // 5 + 1)
+    with http(url) as c:
+        t0 = time.monotonic()
+        for path, body in (("/v1/completions", completion(huge)),
+                           ("/v1/completions", completion(["short", huge])),
+                           ("/v1/chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": huge}]})):
+            err = assert_openai_error(c.post(path, json=body), 400, "context_length_exceeded")
+            assert "characters" in err["message"]
+        assert time.monotonic() - t0 < 5
+        assert c.get("/health").status_code == 200
+
+
 def test_request_timeout_aborts_and_frees_blocks(engine):
     app = make_app(engine, limits=ServerLimits(request_timeout=0.5))
     long = completion("Once", max_tokens=200, ignore_eos=True)

@@ -3,6 +3,7 @@ request whose n samples are the choices."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -40,8 +41,13 @@ class OpenAIServingChat(OpenAIServing):
         """The response, or for stream=true the server-sent events of one."""
         self.check_request(req)
         self._check_unsupported(req)
-        text, ids = self.render_chat(req.messages, req.add_generation_prompt,
-                                     req.chat_template_kwargs)
+        self.admission.check(req.n)
+        self.check_text_size(sum(len(m.content) if isinstance(m.content, str)
+                                 else sum(len(p.text or "") for p in m.content)
+                                 for m in req.messages if m.content), "messages")
+        # The template and the tokenizer run on a worker thread, off the event loop.
+        text, ids = await asyncio.to_thread(self.render_chat, req.messages,
+                                            req.add_generation_prompt, req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context

@@ -36,7 +36,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("suffix is not supported", 400, "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of must equal n: ranking samples is not supported", 400, "best_of")
-        prompts = self._prompts(req.prompt)
+        p = req.prompt
+        self.admission.check((1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)) * req.n)
+        prompts = await self._prompts(req.prompt)
         # echo with max_tokens=0 scores the prompt: run one token and drop it.
         scoring = req.max_tokens == 0 and bool(req.echo)
         max_tokens = 1 if scoring else req.max_tokens
@@ -51,14 +53,18 @@ class OpenAIServingCompletion(OpenAIServing):
             return run.stream(outputs)
         return await run.collect(outputs)
 
-    def _prompts(self, prompt: str | list) -> list[Prompt]:
+    async def _prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str):
-            return [(prompt, self.encode(prompt))]
+            return [(prompt, await self.encode_off_loop(prompt))]
         if not prompt:
             raise APIError("prompt must not be empty", 400, "prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
-        return [(p, self.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompt]
+        for p in prompt:
+            if isinstance(p, str):
+                self.check_text_size(len(p), "prompt")
+        return [(p, await self.encode_off_loop(p)) if isinstance(p, str) else (None, list(p))
+                for p in prompt]
 
 
 class _Run:

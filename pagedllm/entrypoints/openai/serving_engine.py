@@ -132,24 +132,38 @@ def param_of(message: str, request: BaseModel | None) -> str | None:
 
 
 class Admission:
-    """The cap on waiting requests (`--max-waiting-requests`): engine requests accepted
-    that have no output yet, because they are queued or their prompt is being read. Past the
-    cap a new API request is refused with 503 and Retry-After at once, so a burst costs the
-    server nothing and the queue (and every queued request's wait) stays bounded."""
+    """The cap on waiting sequences (`--max-waiting-requests`): engine sequences (prompts x n
+    of each API request) accepted that have no output yet, because they are queued or their
+    prompt is being read. Past the cap a new API request is refused with 503 and Retry-After
+    at once, so a burst costs the server nothing and the queue (and every queued request's
+    wait) stays bounded. One request may hold at most a quarter of the cap, so that no single
+    cheap request (many prompts, a large n) can fill the queue and starve everyone else."""
 
     RETRY_AFTER_S = 1
+    SHARE = 4  # one request: at most 1/SHARE of the cap
 
     def __init__(self, max_waiting: int = 0):
         self.max_waiting = max_waiting  # 0: no cap
         self.waiting = 0
 
+    @property
+    def max_per_request(self) -> int:
+        return max(1, self.max_waiting // self.SHARE)
+
+    def check(self, k: int, param: str = "n") -> None:
+        """400 for a request of `k` sequences that may never be admitted (cheap: call it
+        before the request's prompts are read)."""
+        if self.max_waiting and k > self.max_per_request:
+            raise APIError(f"this request asks for {k} sequences (prompts x n); one request may "
+                           f"hold at most {self.max_per_request}, a quarter of the "
+                           f"{self.max_waiting} the server queues (--max-waiting-requests)",
+                           400, param)
+
     def enter(self, k: int) -> None:
         cap = self.max_waiting
-        if cap and k > cap:  # could never be admitted: not worth a retry
-            raise APIError(f"this request holds {k} prompts; the server queues at most {cap} "
-                           "requests (--max-waiting-requests)", 400, "prompt")
+        self.check(k)
         if cap and self.waiting + k > cap:
-            raise APIError(f"The server is overloaded: {self.waiting} requests are already "
+            raise APIError(f"The server is overloaded: {self.waiting} sequences are already "
                            "waiting. Please retry later.", 503, code="server_overloaded",
                            headers={"Retry-After": str(self.RETRY_AFTER_S)})
         self.waiting += k
@@ -219,6 +233,23 @@ class OpenAIServing:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.require_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
+    # No tokenizer averages more characters per token over a whole text: a text longer than
+    # this many characters per token of context cannot fit, and is refused unread.
+    MAX_CHARS_PER_TOKEN = 64
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        """The cheap check before tokenizing: a text that cannot fit is refused at once."""
+        if chars > self.max_model_len * self.MAX_CHARS_PER_TOKEN:
+            raise APIError(f"the {param} has {chars} characters, more than can fit this "
+                           f"model's maximum context length of {self.max_model_len} tokens. "
+                           "Please shorten it.", 400, param, "context_length_exceeded")
+
+    async def encode_off_loop(self, text: str, param: str = "prompt") -> list[int]:
+        """Tokenize on a worker thread, after the size check: a long prompt then holds up
+        neither health checks nor the streams of other clients."""
+        self.check_text_size(len(text), param)
+        return await asyncio.to_thread(self.encode, text)
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.require_tokenizer().decode(list(token_ids))
 
@@ -260,14 +291,15 @@ class OpenAIServing:
         """Start one engine request per prompt and wait for their first outputs, so that an
         invalid request fails here, before any response has begun; then stream
         (prompt index, cumulative output) pairs. Closing the stream aborts what is left."""
-        self.admission.enter(len(prompts))
+        k = len(prompts) * params.n
+        self.admission.enter(k)
         try:
             gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                          text, ids, params)
                     for i, (text, ids) in enumerate(prompts)]
             firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
         finally:
-            self.admission.leave(len(prompts))
+            self.admission.leave(k)
         errors = [e for e in firsts if isinstance(e, BaseException)]
         if errors:
             await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
