@@ -358,6 +358,26 @@ def test_admission_counts_sequences_and_bounds_one_requests_share(engine, monkey
     wait_idle(engine)
 
 
+def test_a_response_too_large_to_send_is_refused_before_it_runs(engine):
+    """echo + logprobs + n multiply what a response carries: past --max-response-logprobs
+    the request is a 400 that names the bound, and nothing runs."""
+    app = make_app(engine, limits=ServerLimits(max_response_logprobs=1000))
+    prompt = list(range(100, 150))  # 50 tokens
+    with serve(app) as u, http(u) as c:
+        big = completion(prompt, echo=True, logprobs=5, n=2, max_tokens=40)  # 2 x 90 x 6 entries
+        err = assert_openai_error(c.post("/v1/completions", json=big), 400)
+        assert "--max-response-logprobs" in err["message"] and "1080" in err["message"]
+        assert err["param"] == "logprobs"
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                "top_logprobs": 20, "max_tokens": 100}
+        err = assert_openai_error(c.post("/v1/chat/completions", json=chat), 400)
+        assert err["param"] == "top_logprobs"
+        ok = completion(prompt, echo=True, logprobs=5, n=2, max_tokens=10)  # 2 x 60 x 6 = 720
+        r = c.post("/v1/completions", json=ok)
+        assert r.status_code == 200 and len(r.json()["choices"][1]["logprobs"]["tokens"]) == 60
+    wait_idle(engine)
+
+
 def test_a_prompt_too_long_to_fit_is_refused_unread(engine, url, monkeypatch):
     """Characters are counted before anything is tokenized: megabytes of prompt are a quick
     400, not seconds of tokenizing on the server."""

@@ -218,8 +218,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
                   lifespan=lambda _app: sampling(sampler))
     admission = Admission(limits.max_waiting_requests)
     base = OpenAIServing(engine, config, chat_template, admission)
-    completions = OpenAIServingCompletion(engine, config, chat_template, admission)
-    chat = OpenAIServingChat(engine, config, chat_template, admission)
+    completions = OpenAIServingCompletion(engine, config, chat_template, admission,
+                                          limits.max_response_logprobs)
+    chat = OpenAIServingChat(engine, config, chat_template, admission, limits.max_response_logprobs)
     app.state.admission = admission
     app.state.drain = drain = Drain(limits.shutdown_timeout)
     # Added innermost first: CORS (answering preflights, which carry no key) runs first,

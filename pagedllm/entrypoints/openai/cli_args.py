@@ -25,6 +25,9 @@ class ServerLimits:
     max_waiting_requests: int = 1024  # requests with no output yet; 0: no cap
     request_timeout: float | None = None  # seconds from arrival to the last byte; None: none
     max_request_body_bytes: int = 4 * 2**20  # 0: no limit
+    # Logprob entries one response may carry (choices x tokens x (1 + top logprobs), the
+    # echoed prompt included): about 30 bytes of JSON each. 0: no limit.
+    max_response_logprobs: int = 1_000_000
     shutdown_timeout: float = 30.0  # seconds to drain running requests after SIGTERM
 
 
@@ -142,7 +145,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-waiting-requests", type=_non_negative_int,
                      default=ServerLimits.max_waiting_requests, metavar="N",
-                     help="requests that may wait for their first token (queued, or their "
+                     help="sequences (prompts x n) that may wait for their first token (queued, or their "
                      "prompt being read); more get 503 with Retry-After; 0: no cap "
                      f"(default: {ServerLimits.max_waiting_requests})")
     lim.add_argument("--request-timeout", type=_seconds, metavar="SECONDS",
@@ -152,6 +155,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                      default=ServerLimits.max_request_body_bytes,
                      help="larger request bodies get 413, e.g. 4MiB, 1000000; 0: no limit "
                      "(default: 4MiB)")
+    lim.add_argument("--max-response-logprobs", type=_non_negative_int, metavar="N",
+                     default=ServerLimits.max_response_logprobs,
+                     help="logprob entries one response may carry (choices x tokens x (1 + top "
+                     "logprobs), an echoed prompt included); a request that could need more "
+                     "gets 400 before it runs; 0: no limit "
+                     f"(default: {ServerLimits.max_response_logprobs})")
     lim.add_argument("--shutdown-timeout", type=_seconds, metavar="SECONDS",
                      default=ServerLimits.shutdown_timeout,
                      help="on SIGTERM, refuse new requests and let running ones finish for "
@@ -181,6 +190,7 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(max_waiting_requests=args.max_waiting_requests,
                         request_timeout=args.request_timeout or None,
                         max_request_body_bytes=args.max_request_body_bytes,
+                        max_response_logprobs=args.max_response_logprobs,
                         shutdown_timeout=args.shutdown_timeout)
 
 

@@ -53,6 +53,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = req.max_tokens  # None: the rest of the context
         self.check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_response_logprobs([max_tokens or self.max_model_len - len(ids)], req.n,
+                                     logprobs, "top_logprobs")
         params = self.sampling_params(req, max_tokens, logprobs)
         request_id = random_id("chatcmpl")
         outputs = await self.submit(request_id, [(text, ids)], params, req)

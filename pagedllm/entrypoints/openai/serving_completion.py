@@ -44,6 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = 1 if scoring else req.max_tokens
         for _, ids in prompts:
             self.check_length(len(ids), max_tokens, "prompt")
+        self.check_response_logprobs(
+            [(len(ids) if req.echo else 0) + (max_tokens or self.max_model_len - len(ids))
+             for _, ids in prompts], req.n, req.logprobs)
         prompt_logprobs = req.logprobs if req.echo else None
         params = self.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")

@@ -174,9 +174,10 @@ class Admission:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, config: EngineConfig, chat_template: str | None = None,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, max_response_logprobs: int = 0):
         self.engine = engine
         self.admission = admission or Admission()
+        self.max_response_logprobs = max_response_logprobs  # 0: no limit
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -216,6 +217,20 @@ class OpenAIServing:
                            f"in the prompt, {max_tokens} for the completion). Please reduce the "
                            "length of the prompt or the completion.", 400, "max_tokens",
                            "context_length_exceeded")
+
+    def check_response_logprobs(self, token_counts: list[int], n: int, top: int | None,
+                                param: str = "logprobs") -> None:
+        """400 before the work starts for a response whose logprobs could outgrow the cap:
+        each of `n` choices per prompt carries 1 + `top` entries for each of its tokens."""
+        cap = self.max_response_logprobs
+        if top is None or not cap:
+            return
+        entries = n * sum(token_counts) * (1 + top)
+        if entries > cap:
+            raise APIError(f"this request could return {entries} logprob entries (choices x "
+                           f"tokens x (1 + {top})); a response may carry at most {cap} "
+                           "(--max-response-logprobs). Ask for fewer choices, tokens or top "
+                           "logprobs.", 400, param)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
