@@ -484,6 +484,10 @@ BAD_FIELDS = [
      "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": HUGE}}, "logit_bias"),
     ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],  # to Jinja: bounded
+                              "chat_template_kwargs": {"a": [[[[[[[[[1]]]]]]]]]}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"a": list(range(2000))}}, "chat_template_kwargs"),
     ("/v1/completions", {"prompt": [HUGE]}, "prompt"),
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": None}, "prompt"),

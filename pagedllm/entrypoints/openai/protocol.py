@@ -16,7 +16,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -27,8 +34,30 @@ MIN_LOGPROB = -9999.0
 MAX_N = 128
 MAX_STOP = 64  # stop strings, each searched for after every token
 MAX_TOKEN_LIST = 1024  # stop_token_ids and logit_bias entries, applied at every step
+# What a request hands to a library (the chat template's extra arguments go to Jinja):
+# nesting and element count bounded, so no template walks an arbitrarily deep or wide value.
+MAX_LIBRARY_DEPTH = 8
+MAX_LIBRARY_ITEMS = 1024
 # A seed or top_k becomes a 64-bit integer in a tensor or a generator.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+def check_bounded(value: Any, name: str, max_depth: int = MAX_LIBRARY_DEPTH,
+                  max_items: int = MAX_LIBRARY_ITEMS) -> None:
+    """ValueError naming `name` and the bound if `value` nests deeper than `max_depth` or
+    holds more than `max_items` elements (lists and dicts, counted over the whole value)."""
+    items = 0
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > max_depth:
+                raise ValueError(f"{name} nests deeper than {max_depth} levels")
+            children = v.values() if isinstance(v, dict) else v
+            items += len(v)
+            if items > max_items:
+                raise ValueError(f"{name} holds more than {max_items} elements")
+            stack.extend((c, depth + 1) for c in children)
 
 
 def first_non_unicode(value: Any, path: str = "") -> str | None:
@@ -236,6 +265,13 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _bounded_template_arguments(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_bounded(value, "chat_template_kwargs")
+        return value
 
 
 class TopLogprob(BaseModel):
