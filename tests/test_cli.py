@@ -188,3 +188,31 @@ def test_console_script_help():
     for flag in ("--max-context-length", "--max-model-len", "--served-model-name", "--api-key",
                  "--chat-template", "--kv-cache-memory", "--no-enable-prefix-caching", "MODEL"):
         assert flag in out.stdout
+
+
+@pytest.mark.parametrize("kwargs", [{"max_model_len": 0}, {"max_model_len": -5},
+                                    {"max_context_length": -1}, {"max_num_batched_tokens": 0}])
+def test_the_python_api_refuses_what_the_cli_refuses(kwargs: dict):
+    """0 or a negative length is a mistake, never 'the default': refused at once, by name,
+    before any weight is read."""
+    from pagedllm import LLM
+
+    name = "max_model_len" if "max_context_length" in kwargs else next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        LLM(**kwargs)
+
+
+def test_plan_errors_are_one_line():
+    for argv in (["plan", "--max-model-len", "-5"], ["plan", "--model", "/nonexistent"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert str(e.value.code).startswith("pagedllm plan: ") and "Traceback" not in str(e.value.code)
+        assert "\n" not in str(e.value.code)
+
+
+def test_vllm_only_flags_are_accepted():
+    from pagedllm.entrypoints.openai.cli_args import ignored_vllm_flags
+
+    args = serve_args("--trust-remote-code", "--disable-log-requests")
+    assert ignored_vllm_flags(args) == ["--trust-remote-code", "--disable-log-requests"]
+    assert ignored_vllm_flags(serve_args()) == []

@@ -114,10 +114,13 @@ def add_plan_parser(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    info, rows = plan_rows(args.model or args.model_tag, args.max_model_len, args.block_size,
-                           args.gpu_memory, args.gpu_memory_utilization,
-                           parse_bytes(args.kv_cache_memory), args.max_num_seqs,
-                           args.max_num_batched_tokens, args.load_format)
+    try:  # the engine's own rules, with its words: one clean line, as `serve` gives
+        info, rows = plan_rows(args.model or args.model_tag, args.max_model_len, args.block_size,
+                               args.gpu_memory, args.gpu_memory_utilization,
+                               parse_bytes(args.kv_cache_memory), args.max_num_seqs,
+                               args.max_num_batched_tokens, args.load_format)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise SystemExit(f"pagedllm plan: {e}") from None
     for k, v in info.items():
         print(f"{k:>16}: {v}")
     cols = list(asdict(rows[0]))

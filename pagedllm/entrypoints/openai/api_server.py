@@ -38,6 +38,7 @@ from pagedllm.engine.async_engine import AsyncLLM
 from .cli_args import (
     ServerLimits,
     engine_config,
+    ignored_vllm_flags,
     load_chat_template,
     make_arg_parser,
     resolve_api_key,
@@ -332,6 +333,9 @@ def run_server(args: argparse.Namespace) -> None:
     drain running requests for up to --shutdown-timeout seconds before the exit (0)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ignored = ignored_vllm_flags(args)
+    if ignored:
+        logger.warning("accepted for vLLM compatibility, no effect here: %s", ", ".join(ignored))
     try:
         config = engine_config(args)
         limits = server_limits(args)

@@ -71,6 +71,18 @@ def _default(name: str) -> str:
     return f"(default: {_DEFAULTS[name]})"
 
 
+IGNORED_VLLM_FLAGS = {
+    "--trust-remote-code": "remote-code checkpoints are read as data; no checkpoint code is run",
+    "--disable-log-requests": "requests are not logged one by one anyway",
+    "--disable-log-stats": "no periodic statistics lines are logged",
+}
+
+
+def ignored_vllm_flags(args: argparse.Namespace) -> list[str]:
+    """The vLLM-only flags given, for a one-line warning at start."""
+    return [f for f in IGNORED_VLLM_FLAGS if getattr(args, f.lstrip("-").replace("-", "_"), False)]
+
+
 def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                     positional_model: bool = False) -> argparse.ArgumentParser:
     """Add the server's flags to `parser` (a new one if None). `positional_model` adds
@@ -79,6 +91,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     if positional_model:
         p.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="model path or id (same as --model)")
+
+    # Flags that vLLM launch scripts pass and that change nothing here: taken, with a warning
+    # (see `ignored_vllm_flags`), so that such a script runs unchanged.
+    v = p.add_argument_group("accepted for vLLM compatibility (no effect)")
+    for flag, why in IGNORED_VLLM_FLAGS.items():
+        v.add_argument(flag, action="store_true", help=why)
 
     m = p.add_argument_group("model")
     m.add_argument("--model", help="checkpoint directory, .gguf file or hub-style id "
