@@ -216,3 +216,50 @@ def test_vllm_only_flags_are_accepted():
     args = serve_args("--trust-remote-code", "--disable-log-requests")
     assert ignored_vllm_flags(args) == ["--trust-remote-code", "--disable-log-requests"]
     assert ignored_vllm_flags(serve_args()) == []
+
+
+def test_a_mistyped_flag_gets_serves_usage_and_the_nearest_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--max-modle-len", "4096"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "pagedllm serve" in err.splitlines()[0]  # serve's usage
+    assert "did you mean --max-model-len?" in err
+
+
+def test_a_port_out_of_range_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        serve_args("--port", "70000")
+    assert e.value.code == 2 and "0..65535" in capsys.readouterr().err
+
+
+def test_a_busy_port_fails_before_the_model_loads(tmp_path):
+    """The port is bound first: a busy one is reported at once, in one line."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                            str(tmp_path / "no-such-model-is-loaded.gguf"), "--load-format", "gguf",
+                            "--host", "127.0.0.1", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 60
+
+
+def test_model_and_key_from_the_environment(monkeypatch):
+    from pagedllm.entrypoints.openai.cli_args import model_from_args
+
+    monkeypatch.setenv("PAGEDLLM_MODEL", "/models/m.gguf")
+    assert model_from_args(serve_args()) == "/models/m.gguf"
+    assert model_from_args(serve_args("/other.gguf")) == "/other.gguf"  # the command line wins
+    monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert resolve_api_key(serve_args()) == "from-vllm"
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "ours")
+    assert resolve_api_key(serve_args()) == "ours"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from pagedllm import __version__
 from pagedllm.entrypoints.bench import add_bench_parser
-from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import make_arg_parser, parse_args
 from pagedllm.entrypoints.plan import add_plan_parser
 
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int | None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     return args.func(args)
 
 

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import socket
 from collections.abc import AsyncIterator, Awaitable
 
 import msgspec
@@ -41,6 +42,7 @@ from .cli_args import (
     ignored_vllm_flags,
     load_chat_template,
     make_arg_parser,
+    parse_args,
     resolve_api_key,
     server_limits,
 )
@@ -328,9 +330,24 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
     ])
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a busy or forbidden port is
+    reported in a second, not after minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"pagedllm: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Load the model, print what was built, and serve until SIGTERM or Ctrl-C, which
-    drain running requests for up to --shutdown-timeout seconds before the exit (0)."""
+    """Bind the port, load the model, print what was built, and serve until SIGTERM or
+    Ctrl-C, which drain running requests for up to --shutdown-timeout seconds before the
+    exit (0)."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ignored = ignored_vllm_flags(args)
@@ -340,6 +357,10 @@ def run_server(args: argparse.Namespace) -> None:
         config = engine_config(args)
         limits = server_limits(args)
         chat_template = load_chat_template(args.chat_template)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise SystemExit(f"pagedllm: cannot start: {e}") from None
+    sock = listen_socket(args.host, args.port)
+    try:
         engine = AsyncLLM(config)  # the engine core starts in a process of its own
     except (ValueError, OSError, RuntimeError) as e:
         logger.debug("startup failed", exc_info=True)
@@ -358,7 +379,7 @@ def run_server(args: argparse.Namespace) -> None:
                                        log_level=args.log_level, timeout_graceful_shutdown=5)
         server = DrainingServer(server_config, app.state.drain, on_deadline=engine.stop)
         engine.add_dead_callback(server.engine_died)
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     if server.engine_died_at is not None:
@@ -369,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = make_arg_parser(argparse.ArgumentParser(
         prog="python -m pagedllm.entrypoints.openai.api_server",
         description="OpenAI-compatible server for pagedllm"))
-    run_server(parser.parse_args(argv))
+    run_server(parse_args(parser, argv))
 
 
 if __name__ == "__main__":

