@@ -83,10 +83,6 @@ class AsyncLLM:
         self.metrics.update_pool(self.stats())
         self.max_model_len = self.config.max_model_len
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, in_process: bool = False) -> AsyncLLM:
-        return cls(config, in_process=in_process)
-
     # ------------------------------------------------------------------ public
     @property
     def core(self):

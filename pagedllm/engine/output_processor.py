@@ -238,9 +238,9 @@ class OutputProcessor:
             metrics["first_token_time"] = parent.first_token_time
         if finished:
             now = time.monotonic() if now is None else now
-            self.parents.pop(request_id)
-            for sid in [child_id(request_id, i, len(parent.seqs)) for i in range(len(parent.seqs))]:
+            for sid in self.seq_ids(request_id):
                 self.seq_owner.pop(sid, None)
+            self.parents.pop(request_id)
             metrics["finished_time"] = now
             if self.metrics is not None:
                 reason = "error" if parent.error is not None else outs[0].finish_reason or "stop"

@@ -58,12 +58,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str):
+            self.check_text_size(len(prompt), "prompt")
             return [(prompt, await self.encode_off_loop(prompt))]
         if not prompt:
             raise APIError("prompt must not be empty", 400, "prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
-        for p in prompt:
+        for p in prompt:  # every size checked before any prompt is tokenized
             if isinstance(p, str):
                 self.check_text_size(len(p), "prompt")
         return [(p, await self.encode_off_loop(p)) if isinstance(p, str) else (None, list(p))

@@ -259,10 +259,9 @@ class OpenAIServing:
                            f"model's maximum context length of {self.max_model_len} tokens. "
                            "Please shorten it.", 400, param, "context_length_exceeded")
 
-    async def encode_off_loop(self, text: str, param: str = "prompt") -> list[int]:
-        """Tokenize on a worker thread, after the size check: a long prompt then holds up
-        neither health checks nor the streams of other clients."""
-        self.check_text_size(len(text), param)
+    async def encode_off_loop(self, text: str) -> list[int]:
+        """Tokenize on a worker thread (callers run `check_text_size` first): a long prompt
+        then holds up neither health checks nor the streams of other clients."""
         return await asyncio.to_thread(self.encode, text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
