@@ -484,6 +484,7 @@ BAD_FIELDS = [
      "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": HUGE}}, "logit_bias"),
     ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],  # to Jinja: bounded
                               "chat_template_kwargs": {"a": [[[[[[[[[1]]]]]]]]]}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],

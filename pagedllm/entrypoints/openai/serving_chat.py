@@ -64,8 +64,6 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:
-        if not req.messages:
-            raise APIError("messages must contain at least one message", 400, "messages")
         if req.tools:
             raise APIError("tools are not supported by this server", 400, "tools")
         if req.tool_choice not in (None, "none"):
