@@ -177,17 +177,29 @@ serve)
     ;;
 serve-ratio)
     # One card: offline gpu-7b (pagedllm only), then one server on the same shape with
-    # `bench serve` at 256 and at 64 clients, each given the offline result.
+    # `bench serve` at 256 and at 64 clients, each given the offline result; 256 clients
+    # again from one client process (what the client costs); a server with a smaller step
+    # token budget at 64 clients (what prefill bursts do to ITL); offline at max_num_seqs 64
+    # (the most 64 clients can get).
     offline=$OUT/gpu-7b-offline.json
-    rm -f "$offline" "$OUT"/gpu-7b-serve-c256.json "$OUT"/gpu-7b-serve-c64.json
+    rm -f "$offline" "$OUT"/gpu-7b-serve-*.json "$OUT"/gpu-7b-offline-seqs64.json
     timeout "$(cap 240)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
         --output-json "$offline" 2>&1 | tail -10
     if [[ -f $offline ]] && SERVER_WAIT_S=$(cap 240) start_7b ratio; then
         BENCH_S=$(cap 150) bench_7b c256 256 512 --offline-json "$offline"
         BENCH_S=$(cap 150) bench_7b c64 64 256 --warmup 1 --offline-json "$offline"
+        BENCH_S=$(cap 120) bench_7b c256-1client 256 512 --client-processes 1 \
+            --offline-json "$offline"
         stop_7b
     fi
-    serve_ratio_summary "$offline" "$OUT"/gpu-7b-serve-c256.json "$OUT"/gpu-7b-serve-c64.json
+    if SERVER_WAIT_S=$(cap 200) start_7b budget1024 --max-num-batched-tokens 1024; then
+        BENCH_S=$(cap 120) bench_7b c64-budget1024 64 256 --warmup 1 --offline-json "$offline"
+        stop_7b
+    fi
+    timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
+        --max-num-seqs 64 --output-json "$OUT/gpu-7b-offline-seqs64.json" 2>&1 | tail -3
+    serve_ratio_summary "$offline" "$OUT"/gpu-7b-serve-*.json
+    summary "$OUT/gpu-7b-offline-seqs64.json"
     ;;
 tp)
     export NCCL_NVLS_ENABLE=0

@@ -14,6 +14,51 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, as vLLM's `StructuredOutputsParams`: exactly one of
+    `json` (a JSON Schema, as a dict or its text), `json_object` (any JSON object),
+    `regex`, `choice` (one of these strings) or `grammar` (EBNF / GBNF text).
+
+    The constraint is compiled by the engine's grammar backend and enforced token by token
+    with a mask on the logits; the text a request returns then always matches it (unless
+    the request ends first, by max_tokens or a stop string)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON output without free whitespace between tokens (fewer tokens, as compact JSON).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, "
+                             f"regex, choice or grammar, got {given or 'none'}")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured_outputs.json must be a JSON Schema (an object or "
+                             "its text)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -36,6 +81,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine, not by users.
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

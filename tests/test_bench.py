@@ -287,6 +287,23 @@ def test_bench_serve_sets_the_offline_figure_beside_its_own(fake_server, tmp_pat
     assert saved["offline"]["workload"]["output_len_range"] == [16, 16]
 
 
+def test_bench_serve_spreads_its_clients_over_processes(fake_server, tmp_path):
+    """With several client processes every request is still sent once and counted once,
+    and the duration spans the slowest process (not the sum of theirs)."""
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args([
+        "serve", "--base-url", fake_server, "--num-prompts", "6", "--input-len", "5",
+        "--output-len", "16", "--max-concurrency", "6", "--warmup", "0", "--prompt-vocab-size",
+        "100", "--client-processes", "3", "--output-json", str(out)])
+    assert main(args) == 0
+    r = json.loads(out.read_text())["results"]
+    assert r["client_processes"] == 3
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (6, 0, 96)
+    assert r["total_input_tokens"] == 30
+    # Each stream takes about 16 * 2 ms + 2 * 30 ms; all six run at once in three processes.
+    assert r["duration_s"] < 6 * r["mean_e2el_ms"] / 1000
+
+
 def test_bench_serve_rejects_a_file_that_is_not_an_offline_result(tmp_path):
     """Checked before the run: no server is needed to find out."""
     bad = tmp_path / "serve.json"

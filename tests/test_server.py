@@ -188,6 +188,7 @@ def test_completion_stream_is_sse_ending_with_done(server: Server):
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert {c["object"] for c in chunks} == {"text_completion"}
+    assert len({(c["id"], c["created"], c["model"]) for c in chunks}) == 1  # one response
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
     assert sorted(ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]) == [0, 1]
 

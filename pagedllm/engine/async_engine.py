@@ -58,6 +58,11 @@ class _Stream:
     queue: asyncio.Queue
 
 
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False, max_step_failures: int = 3):
         self.config, _, hf_config = load_model_config(config)  # resolved once, here
@@ -171,10 +176,20 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ the core's side
     def _deliver(self, request_id: str, item) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
+        self._deliver_many([(request_id, item)])
+
+    def _deliver_many(self, items: list[tuple[str, object]]) -> None:
+        """Hand items to their callers' queues: one wake-up per event loop for a whole
+        step (waking a loop from another thread writes to its self-pipe, a system call:
+        once per stream and step was a large share of the server's time)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, puts in by_loop.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, puts)
             except RuntimeError:  # its event loop is closed: nobody is listening
                 pass
 
@@ -189,11 +204,10 @@ class AsyncLLM:
             return []
         with self._lock:
             outs, aborts = self.output_processor.process(msg.outputs, msg.stats)
-            for out in outs:
-                if out.error is not None:
-                    self._deliver(out.request_id, RequestFailedError(f"generation failed: {out.error}"))
-                else:
-                    self._deliver(out.request_id, out)
+            self._deliver_many([
+                (out.request_id, out if out.error is None
+                 else RequestFailedError(f"generation failed: {out.error}"))
+                for out in outs])
         return aborts
 
     def _on_core_death(self, why: str) -> None:
@@ -206,8 +220,7 @@ class AsyncLLM:
             if self._dead is not None:
                 return
             self._dead = error
-            for rid in list(self._streams):
-                self._deliver(rid, error)
+            self._deliver_many([(rid, error) for rid in self._streams])
         if not isinstance(error, EngineShutdownError):
             for callback in self._on_dead:
                 try:

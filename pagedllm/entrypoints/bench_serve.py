@@ -9,7 +9,9 @@ tokens (`ignore_eos`) and is timed from just before it is sent:
 - E2E latency: until the stream ends.
 Each is reported as mean, median and p99 (ms); throughput is requests, output tokens and
 all tokens per second of the whole run. Arrivals are all at once or Poisson at
-`--request-rate`, and `--max-concurrency` caps the requests in flight.
+`--request-rate`, and `--max-concurrency` caps the requests in flight. The clients
+(`bench_client`) use aiohttp and, for many streams, several processes, so that they cost
+the run little (a pure-Python client was measured to be the bound of earlier runs).
 
 `--offline-json` names an offline `bench throughput` result of the same model shape on the
 same card: the result then carries the offline output tok/s, the ratio served / offline and
@@ -30,11 +32,18 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
+from pagedllm.entrypoints.bench_client import (
+    STREAMS_PER_PROCESS,
+    RequestResult,
+    default_processes,
+    one,
+    run_processes,
+    run_share,
+    session,
+)
 from pagedllm.entrypoints.bench_report import args_dict, environment, write_json
 
 DEFAULT_NUM_PROMPTS = 64
@@ -79,23 +88,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default: inf, all at once)")
     w.add_argument("--max-concurrency", type=int,
                    help="at most this many requests in flight (default: no cap)")
+    w.add_argument("--client-processes", type=int, metavar="P",
+                   help="client processes sharing the requests (default: one per "
+                        f"{STREAMS_PER_PROCESS} concurrent streams, at most half the CPUs)")
     w.add_argument("--warmup", type=int, default=2,
                    help="untimed requests before the run (other prompts; default 2)")
     p.add_argument("--offline-json", metavar="FILE",
                    help="an offline `bench throughput` result (same model shape and card): "
                         "records its output tok/s, served / offline and its card")
     p.add_argument("--output-json", help="write the result here")
-
-
-@dataclass
-class RequestResult:
-    ok: bool = False
-    error: str | None = None
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
 
 
 def _stats_ms(name: str, values: list[float]) -> dict:
@@ -165,44 +166,6 @@ def compare_offline(figures: dict, offline: dict) -> dict:
     }
 
 
-async def _one(client, path: str, body: dict) -> RequestResult:
-    res = RequestResult()
-    start = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", path, json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                res.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    res.error = event["error"].get("message", "error event")
-                    return res
-                if event.get("usage"):
-                    res.prompt_tokens = event["usage"]["prompt_tokens"]
-                    res.output_tokens = event["usage"]["completion_tokens"]
-                text = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
-                               for c in event.get("choices", []))
-                if text:
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        res.latency = time.perf_counter() - start
-        res.ok = last is not None
-        if not res.ok:
-            res.error = "the stream carried no text"
-    except Exception as e:  # a benchmark reports failures rather than stopping at one
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
 class _Server:
     """The few calls a benchmark needs besides the timed ones."""
 
@@ -210,32 +173,24 @@ class _Server:
         self.client = client
 
     async def get(self, path: str) -> dict:
-        r = await self.client.get(path)
-        r.raise_for_status()
-        return r.json()
+        async with self.client.get(path.lstrip("/")) as r:
+            r.raise_for_status()
+            return await r.json()
 
     async def post(self, path: str, body: dict) -> dict:
-        r = await self.client.post(path, json=body)
-        if r.status_code != 200:
-            raise SystemExit(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
-        return r.json()
+        async with self.client.post(path.lstrip("/"), json=body) as r:
+            if r.status != 200:
+                raise SystemExit(f"{path}: HTTP {r.status}: {(await r.text())[:300]}")
+            return await r.json()
 
 
 def _prompts(pool: list[int], n: int, length: int, rng: random.Random) -> list[list[int]]:
     return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
 
 
-async def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
-    try:
-        import httpx
-    except ImportError:  # a client-side tool: the server itself does not need httpx
-        raise SystemExit("pagedllm bench serve needs httpx: pip install httpx") from None
-    key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    concurrency = args.max_concurrency or args.num_prompts
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=args.base_url.rstrip("/"), headers=headers,
-                                 timeout=args.timeout, limits=limits) as client:
+async def _prepare(args: argparse.Namespace, headers: dict) -> tuple[dict, list[dict], str]:
+    """Ask the server its model and version, build the bodies, and run the warm-up."""
+    async with session(args.base_url, headers, args.timeout, 4) as client:
         server = _Server(client)
         models = await server.get("/v1/models")
         model = args.model or models["data"][0]["id"]
@@ -260,37 +215,51 @@ async def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
 
         bodies = [await body(ids) for ids in prompts]
         for b in bodies[: args.warmup]:
-            warm = await _one(client, path, b)
+            warm = await one(client, path, b)
             if not warm.ok:
                 raise SystemExit(f"warm-up request failed: {warm.error}")
-        timed = bodies[args.warmup:]
-        gate = asyncio.Semaphore(concurrency)
+    server_info = {"base_url": args.base_url, "model": model, "version": version,
+                   "endpoint": path}
+    return server_info, bodies[args.warmup:], path
 
-        async def limited(b: dict) -> RequestResult:
-            async with gate:
-                return await _one(client, path, b)
 
-        arrivals = random.Random(args.seed + 1)
-        load_before = os.getloadavg()
-        start = time.perf_counter()
-        tasks = []
-        for b in timed:
-            tasks.append(asyncio.create_task(limited(b)))
-            if math.isfinite(args.request_rate):
-                await asyncio.sleep(arrivals.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:  # a client-side tool: the server itself does not need aiohttp
+        raise SystemExit("pagedllm bench serve needs aiohttp: pip install aiohttp") from None
+    key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    concurrency = args.max_concurrency or args.num_prompts
+    server_info, timed, path = asyncio.run(_prepare(args, headers))
+    arrivals = random.Random(args.seed + 1)
+    offsets, t = [], 0.0
+    for _ in timed:  # request i is sent `offsets[i]` seconds after the start (Poisson)
+        offsets.append(t)
+        if math.isfinite(args.request_rate):
+            t += arrivals.expovariate(args.request_rate)
+    items = list(zip(offsets, timed, strict=True))
+    processes = args.client_processes or default_processes(concurrency, os.cpu_count() or 2)
+    load_before = os.getloadavg()
+    if processes == 1:
+        results, end = asyncio.run(run_share(args.base_url, headers, args.timeout, path, items,
+                                             concurrency, start := time.perf_counter()))
+        duration = end - start
+    else:
+        results, duration = run_processes(args.base_url, headers, args.timeout, path, items,
+                                          concurrency, processes)
     figures = summarize(results, duration)
     # On a shared machine the load around the run says how far to trust it.
     figures["load_average_1m"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+    figures["client_processes"] = processes
     errors = sorted({r.error for r in results if r.error})[:5]
     settings = args_dict(args)
     if not math.isfinite(args.request_rate):
         settings["request_rate"] = "inf"  # JSON has no Infinity
+    import torch
+
     result = {"benchmark": "serve", "environment": environment(torch.device("cpu")),
-              "server": {"base_url": args.base_url, "model": model, "version": version,
-                         "endpoint": path},
-              "args": settings, "results": figures, "errors": errors}
+              "server": server_info, "args": settings, "results": figures, "errors": errors}
     if offline is not None:
         figures.update(compare_offline(figures, offline))
         result["offline"] = offline
@@ -326,7 +295,7 @@ def _print(result: dict) -> None:
 
 def run_serve(args: argparse.Namespace) -> dict:
     offline = load_offline(args.offline_json) if args.offline_json else None
-    result = asyncio.run(_run(args, offline))
+    result = _run(args, offline)
     _print(result)
     if args.output_json:
         write_json(args.output_json, result)

@@ -22,6 +22,7 @@ from .protocol import (
     DeltaMessage,
     TopLogprob,
     UsageInfo,
+    now,
 )
 from .serving_engine import (
     SSE_DONE,
@@ -32,6 +33,7 @@ from .serving_engine import (
     clamp_logprob,
     random_id,
     sse,
+    sse_plain,
 )
 
 
@@ -111,10 +113,18 @@ class OpenAIServingChat(OpenAIServing):
                                       usage=self._usage(len(final.prompt_token_ids), final))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_tokens: int,
-                      outputs) -> AsyncIterator[str]:
+                      outputs) -> AsyncIterator[str | bytes]:
+        # Every chunk of one response carries the same id, creation time and model.
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
+                "model": self.model_name}
+
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=choices,
-                                           usage=usage))
+            return sse(ChatCompletionChunk(**head, choices=choices, usage=usage))
+
+        def plain(index: int, delta: dict, finish_reason=None, stop_reason=None) -> bytes:
+            return sse_plain({**head, "choices": [{
+                "index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}], "usage": None})
 
         tracker = DeltaTracker(with_logprobs=bool(req.logprobs))
         final = None
@@ -127,14 +137,18 @@ class OpenAIServingChat(OpenAIServing):
                         if d is None:
                             continue
                         if d.first:  # OpenAI opens every choice with the role alone
-                            yield chunk([ChatStreamChoice(
-                                index=o.index, delta=DeltaMessage(role="assistant", content=""))])
-                        if d.text or d.finish_reason or (req.logprobs and d.token_ids):
-                            yield chunk([ChatStreamChoice(
-                                index=o.index,
-                                delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
-                                logprobs=self._logprobs(req, d.token_ids, d.logprobs),
-                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                            yield plain(o.index, {"role": "assistant", "content": ""})
+                        if not (d.text or d.finish_reason or (req.logprobs and d.token_ids)):
+                            continue
+                        if not req.logprobs:  # most events: text alone
+                            yield plain(o.index, {"content": d.text} if d.text else {},
+                                        d.finish_reason, d.stop_reason)
+                            continue
+                        yield chunk([ChatStreamChoice(
+                            index=o.index,
+                            delta=DeltaMessage(content=d.text) if d.text else DeltaMessage(),
+                            logprobs=self._logprobs(req, d.token_ids, d.logprobs),
+                            finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
             if req.include_usage and final is not None:
                 yield chunk([], self._usage(prompt_tokens, final))
         except Exception as e:  # the response has begun: the error is its last event

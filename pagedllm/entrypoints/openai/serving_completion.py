@@ -14,6 +14,7 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
+    now,
 )
 from .serving_engine import (
     SSE_DONE,
@@ -25,6 +26,7 @@ from .serving_engine import (
     clamp_logprob,
     random_id,
     sse,
+    sse_plain,
 )
 
 
@@ -134,7 +136,9 @@ class _Run:
         return CompletionResponse(id=self.id, model=self.model, choices=choices,
                                   usage=self.usage(finals))
 
-    async def stream(self, outputs) -> AsyncIterator[str]:
+    async def stream(self, outputs) -> AsyncIterator[str | bytes]:
+        # Every chunk of one response carries the same id, creation time and model.
+        head = {"id": self.id, "object": "text_completion", "created": now(), "model": self.model}
         tracker = DeltaTracker(with_logprobs=self.req.logprobs is not None)
         offsets: dict[int, int] = {}  # choice -> characters sent (for text_offset)
         finals: dict[int, RequestOutput] = {}
@@ -151,16 +155,21 @@ class _Run:
                         ids, entries, text = d.token_ids, d.logprobs, d.text
                         if self.scoring:
                             ids, entries, text = [], [], ""
+                        if self.req.logprobs is None:  # most events: text alone
+                            yield sse_plain({**head, "choices": [{
+                                "index": index, "text": echo + text, "logprobs": None,
+                                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}],
+                                "usage": None})
+                            continue
                         offset = offsets.get(index, 0)
                         logprobs = self.logprobs(out, ids, entries, bool(echo), offset + len(echo))
                         offsets[index] = offset + len(echo) + len(text)
                         choice = CompletionChoice(index=index, text=echo + text, logprobs=logprobs,
                                                   finish_reason=d.finish_reason,
                                                   stop_reason=d.stop_reason)
-                        yield sse(CompletionResponse(id=self.id, model=self.model, choices=[choice]))
+                        yield sse(CompletionResponse(**head, choices=[choice]))
             if self.req.include_usage:
-                yield sse(CompletionResponse(id=self.id, model=self.model, choices=[],
-                                             usage=self.usage(finals)))
+                yield sse(CompletionResponse(**head, choices=[], usage=self.usage(finals)))
         except Exception as e:  # the response has begun: the error is its last event
             yield sse(as_api_error(e).body())
         yield SSE_DONE
