@@ -236,6 +236,31 @@ def test_completion_echo(server: Server, client: openai.OpenAI):
     assert "".join(c.choices[0].text for c in streamed) == choice.text
 
 
+def test_echo_logprobs_are_whole_with_a_warm_prefix_cache(server: Server, client: openai.OpenAI):
+    """Scoring as evaluation harnesses do (echo, logprobs, max_tokens 0), through the official
+    client: a prompt of several KV blocks scored twice (the second time its blocks are in
+    the prefix cache), and a prompt that shares its first blocks, get one logprob per
+    prompt token, the same each time."""
+    shared = " ".join(f"item {i} is a {'red' if i % 2 else 'blue'} stone;" for i in range(12))
+    prompts = [shared + " The last one is green.", shared + " The last one is green.",
+               shared + " Nothing else is in the box."]
+    with server.http() as http:
+        counts = [http.post("/tokenize", json={"prompt": p}).json()["count"] for p in prompts]
+    assert counts[0] > 48  # at least three blocks of 16 tokens shared
+    scored = [client.completions.create(model="smol", prompt=p, max_tokens=0, echo=True,
+                                        logprobs=1).choices[0].logprobs for p in prompts]
+    for lp, n in zip(scored, counts, strict=True):
+        assert len(lp.tokens) == len(lp.token_logprobs) == n
+        assert lp.token_logprobs[0] is None
+        assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert scored[1].token_logprobs == pytest.approx(scored[0].token_logprobs, abs=1e-4)
+    common = next(i for i, (a, b) in enumerate(zip(scored[0].tokens, scored[2].tokens,
+                                                   strict=False)) if a != b)
+    assert common > 48
+    assert scored[2].token_logprobs[:common] == pytest.approx(scored[0].token_logprobs[:common],
+                                                              abs=1e-4)
+
+
 def test_n_and_seed_reproducibility(client: openai.OpenAI):
     kw = dict(model="smol", prompt="My favourite animal is", max_tokens=8, temperature=1.0,
               extra_body={"ignore_eos": True})
