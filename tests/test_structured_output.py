@@ -221,6 +221,32 @@ def test_compile_timeout_is_a_value_error(smol_llm, monkeypatch):
     assert not smol_llm.engine.scheduler.requests
 
 
+def test_core_in_its_own_process_compiles_with_its_own_tokenizer():
+    """The server's layout: the core process loads the tokenizer when the first constrained
+    request arrives and enforces the constraint the front end validated."""
+    import asyncio
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(max_model_len=256, seed=0), in_process=False)
+    try:
+        assert engine.core is None  # not reachable from here: the test is about the other side
+
+        async def run(params: SamplingParams):
+            last = None
+            async for out in engine.generate("r", "Write a product code:", None, params):
+                last = out
+            return last.outputs[0]
+
+        o = asyncio.run(run(greedy(SO(regex=r"[A-Z]{2}-\d{3}"))))
+        assert o.finish_reason == "stop" and re.fullmatch(r"[A-Z]{2}-\d{3}", o.text), o.text
+        with pytest.raises(ValueError, match=r"structured_outputs\.regex does not compile"):
+            asyncio.run(run(greedy(SO(regex="(("))))
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.gpu
 def test_constrained_request_on_cuda_with_graphs():
     llm = LLM(max_model_len=512, seed=0, device="cuda", async_scheduling=True)
