@@ -122,6 +122,7 @@ class GrammarCompiler:
 
 
 _compilers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_strong: dict[int, tuple[Any, dict]] = {}
 _compilers_lock = threading.Lock()
 
 
@@ -131,9 +132,10 @@ def compiler_for(tokenizer: Any, vocab_size: int) -> GrammarCompiler:
     if tokenizer is None:
         raise ValueError("structured_outputs needs the tokenizer (skip_tokenizer_init=False)")
     with _compilers_lock:
-        per_vocab = _compilers.get(tokenizer)
-        if per_vocab is None:
-            per_vocab = _compilers[tokenizer] = {}
+        try:
+            per_vocab = _compilers.setdefault(tokenizer, {})
+        except TypeError:  # not weakly referenceable: held (and keyed) by its id instead
+            per_vocab = _strong.setdefault(id(tokenizer), (tokenizer, {}))[1]
         compiler = per_vocab.get(vocab_size)
         if compiler is None:
             compiler = per_vocab[vocab_size] = GrammarCompiler(tokenizer, vocab_size)
