@@ -58,6 +58,10 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_preemptions: int = 0
+    # Constrained decoding: the token bitmask of the sequences of this step that sample
+    # under a grammar (filled in by the engine core after scheduling; a
+    # pagedllm.structured_output.StepBitmask, opaque here). None: no row is constrained.
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -118,11 +122,16 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request now for a reason found outside the token-level stop rules (an
+        abort; a grammar that is complete): its blocks are freed at once."""
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return None
         self._remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._finish(req, status)
         return req
 
     @property

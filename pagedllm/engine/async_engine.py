@@ -84,6 +84,8 @@ class AsyncLLM:
         except BaseException:
             self.client.shutdown()
             raise
+        if self.core is not None:  # its grammars compile with our tokenizer (one cache)
+            self.core.use_tokenizer(self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())
         self.max_model_len = self.config.max_model_len

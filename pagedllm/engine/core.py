@@ -12,12 +12,14 @@ import time
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import KVCacheManager
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.executor import ExecutorDeadError, make_executor
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import ModelSource, resolve_source
+from pagedllm.structured_output import SequenceGrammars, compiler_for
+from pagedllm.tokenizers import load_tokenizer
 
 
 class StepError(RuntimeError):
@@ -66,6 +68,10 @@ class EngineCore:
         self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
         self._stashed: list[EngineCoreOutput] = []  # read after a later step failed to launch
         self._penalized: set[str] = set()  # sequences whose sampling needs their full history
+        # Constrained decoding: built when the first constrained request arrives, with the
+        # front end's tokenizer when it shares this process (use_tokenizer), else its own.
+        self._grammars: SequenceGrammars | None = None
+        self._tokenizer = None
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op in-process); also done at interpreter exit."""
@@ -104,6 +110,25 @@ class EngineCore:
                               s.num_preemptions_total)
 
     # ------------------------------------------------------------------ requests
+    def use_tokenizer(self, tokenizer) -> None:
+        """The front end's tokenizer, when it runs in this process: constraints are then
+        compiled once (its compile cache is per tokenizer) and no second copy is loaded."""
+        self._tokenizer = tokenizer
+
+    def _sequence_grammars(self) -> SequenceGrammars:
+        if self._grammars is None:
+            if self._tokenizer is None:
+                if self.config.skip_tokenizer_init:
+                    raise ValueError("structured_outputs needs the tokenizer "
+                                     "(skip_tokenizer_init=False)")
+                source = resolve_source(self.config.model, self.config.load_format)
+                self._tokenizer = load_tokenizer(source, self.config.tokenizer)
+            self._grammars = SequenceGrammars(compiler_for(self._tokenizer, self.executor.vocab_size))
+        return self._grammars
+
+    def _constrained(self) -> bool:
+        return self._grammars is not None and len(self._grammars) > 0
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue one sequence; ValueError for one the model cannot take (the front end
         checks the same first, so that a client learns before anything is queued)."""
@@ -114,6 +139,10 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if request.request_id in self._inflight_ids():
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        matcher = None
+        if p.structured_outputs is not None:  # compiled before anything is queued
+            matcher = self._sequence_grammars().new_matcher(p.structured_outputs,
+                                                            request.eos_token_ids)
         eos = frozenset(request.eos_token_ids)
         p._all_stop_token_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
         self.scheduler.add_request(Request(
@@ -124,6 +153,8 @@ class EngineCore:
         ))
         if p.needs_penalties:
             self._penalized.add(request.request_id)
+        if matcher is not None:
+            self._grammars.add(request.request_id, matcher)
 
     def _inflight_ids(self) -> set[str]:
         """An aborted sequence's last step may still be running: its id is not free yet."""
@@ -136,7 +167,13 @@ class EngineCore:
         for rid in request_ids:
             self.scheduler.abort(rid)
             self.scheduler.release(rid)
-            self._penalized.discard(rid)
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Drop what the core kept for a sequence beside the scheduler."""
+        self._penalized.discard(rid)
+        if self._grammars is not None:
+            self._grammars.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
         """A step still in flight whose sequences have all ended (it computed one token past
@@ -153,13 +190,19 @@ class EngineCore:
         Under async scheduling a call schedules and launches step N+1, then reads step N
         (launched by the previous call): the host's scheduling and layout run while the
         device computes. A sequence whose sampling needs its whole history on the host
-        (penalties) turns the overlap off while it runs."""
+        turns the overlap off while it runs: penalties count every earlier token, and a
+        grammar's mask for the next token exists only once its matcher has taken the last
+        one. Such a step is read before the next is scheduled; the masks of the next are
+        then filled on the host (a few microseconds a row) and travel with it."""
         outputs, self._stashed = self._stashed, []
         prev, self._inflight = self._inflight, None
-        if prev is not None and self._penalized:
+        if prev is not None and (self._penalized or self._constrained()):
             outputs += self._complete(*prev)
             prev = None
         so = self.scheduler.schedule()
+        if self._constrained() and not so.is_empty:
+            so.grammar_bitmask = self._grammars.bitmask(
+                [c.request_id for c in so.chunks if c.sample])
         if so.is_empty and not so.finished_req_ids:
             if prev is not None:
                 outputs += self._complete(*prev)
@@ -224,9 +267,16 @@ class EngineCore:
                 o.num_cached_tokens = req.num_cached_tokens
                 o.scheduled_time = req.first_scheduled_time
             req.last_token_time = time.monotonic()
+            if not req.is_finished and self._grammars is not None and sid in self._grammars:
+                accepted, complete = self._grammars.accept(sid, token)
+                if not accepted:  # the mask forbade it: a bug, but this sequence's alone
+                    self.scheduler.abort(sid)
+                    o.error = "the sampled token breaks the request's structured_outputs"
+                elif complete:  # the grammar took its end token (kept despite ignore_eos)
+                    self.scheduler.finish(sid, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
-                o.finish_reason = req.status.value
+                o.finish_reason = "error" if o.error else req.status.value
                 o.stop_reason = req.stop_reason
                 self.scheduler.release(sid)
-                self._penalized.discard(sid)
+                self._forget(sid)
         return list(outs.values())

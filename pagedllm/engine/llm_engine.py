@@ -40,6 +40,7 @@ class LLMEngine:
         except BaseException:
             self.core.shutdown()
             raise
+        self.core.use_tokenizer(self.tokenizer)  # one tokenizer, one grammar cache
         self.metrics = EngineMetrics(config.model_name)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())

@@ -13,6 +13,7 @@ import time
 
 from pagedllm.engine.messages import CoreInfo, EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import validate_structured_outputs
 
 MAX_LOGPROBS = 20
 
@@ -85,6 +86,8 @@ class Processor:
             prompt_token_ids = self.encode(prompt or "")
         prompt_token_ids = list(prompt_token_ids)
         max_tokens = self.check(prompt_token_ids, params)
+        # Last: compiling costs more than every other check (once per constraint: cached).
+        validate_structured_outputs(params, self.tokenizer, self.info.vocab_size)
         now = time.monotonic()
         seq_params, requests = [], []
         for i in range(params.n):

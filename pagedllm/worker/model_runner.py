@@ -351,7 +351,10 @@ class ModelRunner:
         # with none finite cannot be sampled from. Read with the tokens, not here.
         valid = torch.isfinite(logits.amax(-1))
         states = [self.states[r] for r in sample_ids]
-        sampled = self.sampler.sample(logits, self._sampling_batch(states, logits.shape[-1]), valid)
+        batch = self._sampling_batch(states, logits.shape[-1])
+        if so.grammar_bitmask is not None:
+            self._grammar_rows(batch, so.grammar_bitmask, sample_ids)
+        sampled = self.sampler.sample(logits, batch, valid)
         for st in states:
             st.num_pending += 1
         self._prev_tokens = sampled.token_ids
@@ -379,6 +382,17 @@ class ModelRunner:
         if self.device.type != "cuda":
             return tensors
         return [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
+
+    def _grammar_rows(self, b: SamplingBatch, step_mask, sample_ids: list[str]) -> None:
+        """Place a step's grammar masks (a StepBitmask: one row per constrained sequence)
+        on the rows of the sampled batch; the other rows' words are all ones and are not
+        touched when the mask is applied (only the listed rows are)."""
+        row_of = {rid: i for i, rid in enumerate(sample_ids)}
+        rows = [row_of[rid] for rid in step_mask.request_ids]
+        full = np.full((len(sample_ids), step_mask.bitmask.shape[1]), -1, dtype=np.int32)
+        full[rows] = step_mask.bitmask
+        (b.grammar_bitmask,) = self._to_device(full)
+        b.grammar_rows = rows
 
     def _sampling_batch(self, states: list[_ReqState], vocab: int) -> SamplingBatch:
         dev = self.device

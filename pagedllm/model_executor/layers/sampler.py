@@ -1,7 +1,7 @@
 """Sampling for a mixed batch: every row has its own settings, all applied as tensor ops.
 
-Order (vLLM's): logit bias and min-token masking, penalties, then greedy rows take the
-argmax; the others are divided by temperature, cut by top-k / top-p / min-p and drawn by
+Order (vLLM's): a grammar's token mask (constrained decoding), logit bias and min-token
+masking, penalties, then greedy rows take the argmax; the others are divided by temperature, cut by top-k / top-p / min-p and drawn by
 inverse CDF with one uniform per row. A seeded row draws its uniform from its own
 generator: that is what makes a seeded request's output independent of whatever else
 shares the batch.
@@ -35,6 +35,10 @@ class SamplingBatch:
     bias_values: torch.Tensor | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
     all_greedy: bool = False
+    # Constrained decoding: [N, ceil(V / 32)] int32 token bitmask (bit 0 = forbidden) and
+    # the rows it applies to; None when no row of the batch is constrained.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | None = None
 
 
 @dataclass
@@ -136,10 +140,16 @@ class Sampler:
                valid: torch.Tensor | None = None) -> SampledTensors:
         """Sample on the device without synchronising. Rows where `valid` is False (their
         logits were not finite) get token 0, so that no garbage id reaches an embedding."""
-        logits = logits.float()
+        given, logits = logits, logits.float()
         want_lp = any(k is not None for k in b.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_lp else None
 
+        if b.grammar_bitmask is not None:
+            from pagedllm.structured_output.bitmask import apply_bitmask
+
+            masked = logits.clone() if logits is given else logits
+            apply_bitmask(masked, b.grammar_bitmask, b.grammar_rows)  # the caller's stays whole
+            logits = masked
         if b.bias_rows is not None:
             logits = logits.index_put((b.bias_rows, b.bias_tokens), b.bias_values, accumulate=True)
         logits = apply_penalties(logits, b)
