@@ -199,6 +199,7 @@ def test_required_and_named_choices_become_a_calls_schema(plain):
     c, engine = plain
     assert chat(c, tools=[WEATHER, TIME], tool_choice="required").status_code == 200
     schema = engine.params.structured_outputs.json
+    assert engine.params.structured_outputs.disable_any_whitespace
     assert schema["minItems"] == 1 and "maxItems" not in schema
     validator = jsonschema.Draft202012Validator(schema)
     assert validator.is_valid([{"name": "get_weather", "arguments": {"city": "Paris"}},

@@ -107,5 +107,7 @@ def plan_tools(req: ChatCompletionRequest, options: ChatOptions) -> ToolPlan:
             raise APIError(f"tool_choice names the function {choice.function.name!r}, which is "
                            "not among the request's tools", 400, "tool_choice")
         single = True
-    constraint = StructuredOutputsParams(json=calls_schema(chosen, single))
+    # Compact JSON: no room for a small model to wander off into whitespace.
+    constraint = StructuredOutputsParams(json=calls_schema(chosen, single),
+                                         disable_any_whitespace=True)
     return ToolPlan(tools, ForcedToolParser(), constraint, single)
