@@ -238,6 +238,11 @@ def test_tools_and_earlier_calls_reach_the_template(plain):
     assert "tool: 18 C ANSWERS call_1" in prompt
     assert engine.params.structured_outputs is None  # "none": nothing forced, nothing parsed
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
+    # Arguments that are not a JSON object stay text; nesting past any stack is no 500.
+    for args in ("not json", "[" * 100_000, json.dumps({"a": DEEP})):
+        messages[1]["tool_calls"][0]["function"]["arguments"] = args
+        r = chat(c, messages=messages, tools=[WEATHER], tool_choice="none")
+        assert r.status_code == (400 if "a" in args else 200), r.text
 
 
 # ---------------------------------------------------------------------- tools: answers

@@ -360,7 +360,7 @@ def _template_message(i: int, m: ChatMessage) -> dict:
             if isinstance(args, str):
                 try:
                     parsed = json.loads(args)
-                except ValueError:
+                except (ValueError, RecursionError):  # not JSON, or nested past the stack
                     parsed = None
                 args = parsed if isinstance(parsed, dict) else args
             try:  # what Jinja walks is bounded, like chat_template_kwargs
