@@ -37,7 +37,9 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM
 
 from .cli_args import (
+    ChatOptions,
     ServerLimits,
+    chat_options,
     engine_config,
     ignored_vllm_flags,
     load_chat_template,
@@ -211,8 +213,10 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
 def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None,
               chat_template: str | None = None, metrics_require_api_key: bool = False,
               health_require_api_key: bool = False, limits: ServerLimits | None = None,
-              allowed_origins: list[str] | None = None) -> FastAPI:
-    """The FastAPI app over a running engine. `chat_template` is the template text. While
+              allowed_origins: list[str] | None = None,
+              options: ChatOptions | None = None) -> FastAPI:
+    """The FastAPI app over a running engine. `chat_template` is the template text;
+    `options` the tool and reasoning parsers of chat answers. While
     the app runs, a background task samples the engine once a second for /dashboard.
     `app.state.drain` is the drain the server starts on SIGTERM."""
     limits = limits or ServerLimits()
@@ -223,7 +227,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     base = OpenAIServing(engine, config, chat_template, admission)
     completions = OpenAIServingCompletion(engine, config, chat_template, admission,
                                           limits.max_response_logprobs)
-    chat = OpenAIServingChat(engine, config, chat_template, admission, limits.max_response_logprobs)
+    chat = OpenAIServingChat(engine, config, chat_template, admission, limits.max_response_logprobs,
+                             options=options)
     app.state.admission = admission
     app.state.drain = drain = Drain(limits.shutdown_timeout)
     # Added innermost first: CORS (answering preflights, which carry no key) runs first,
@@ -357,6 +362,7 @@ def run_server(args: argparse.Namespace) -> None:
         config = engine_config(args)
         limits = server_limits(args)
         chat_template = load_chat_template(args.chat_template)
+        options = chat_options(args)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"pagedllm: cannot start: {e}") from None
     sock = listen_socket(args.host, args.port)
@@ -370,7 +376,7 @@ def run_server(args: argparse.Namespace) -> None:
         app = build_app(engine, config, api_key=api_key, chat_template=chat_template,
                         metrics_require_api_key=args.metrics_require_api_key,
                         health_require_api_key=args.health_require_api_key, limits=limits,
-                        allowed_origins=args.allowed_origins)
+                        allowed_origins=args.allowed_origins, options=options)
         names = OpenAIServing(engine, config).served_names
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
                              args.metrics_require_api_key), flush=True)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, fields
 
 from pagedllm.config import EngineConfig, parse_bytes
 
+from .reasoning_parsers import REASONING_PARSERS
+from .tool_parsers import TOOL_PARSERS
+
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # what vLLM deployments already set
 MODEL_ENV = "PAGEDLLM_MODEL"
@@ -32,6 +35,16 @@ class ServerLimits:
     # echoed prompt included): about 30 bytes of JSON each. 0: no limit.
     max_response_logprobs: int = 1_000_000
     shutdown_timeout: float = 30.0  # seconds to drain running requests after SIGTERM
+
+
+@dataclass
+class ChatOptions:
+    """The server's tool and reasoning settings (`--enable-auto-tool-choice`,
+    `--tool-call-parser`, `--reasoning-parser`); see tools.py and chat_output.py."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 def _port(value: str) -> int:
@@ -188,6 +201,17 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: info)")
 
+    t = p.add_argument_group("tools and reasoning")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto", the default '
+                   "when a request gives tools); needs --tool-call-parser")
+    t.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), "
+                   "llama3_json (Llama 3.x), mistral")
+    t.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
+                   help="split <think>...</think> off into reasoning_content: deepseek_r1 "
+                   "(the prompt may open <think>) or qwen3 (explicit tags only)")
+
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-waiting-requests", type=_non_negative_int,
                      default=ServerLimits.max_waiting_requests, metavar="N",
@@ -239,6 +263,16 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
                         max_request_body_bytes=args.max_request_body_bytes,
                         max_response_logprobs=args.max_response_logprobs,
                         shutdown_timeout=args.shutdown_timeout)
+
+
+def chat_options(args: argparse.Namespace) -> ChatOptions:
+    """Raises ValueError for --enable-auto-tool-choice without a parser to read the calls."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(TOOL_PARSERS)})")
+    return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
+                       tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Larger than any real logprob and still valid JSON (JSON has no -Infinity).
 MIN_LOGPROB = -9999.0
@@ -38,6 +38,10 @@ MAX_TOKEN_LIST = 1024  # stop_token_ids and logit_bias entries, applied at every
 # nesting and element count bounded, so no template walks an arbitrarily deep or wide value.
 MAX_LIBRARY_DEPTH = 8
 MAX_LIBRARY_ITEMS = 1024
+# JSON Schemas (response formats, tool parameters) go to the template and the grammar
+# compiler: real ones nest deeper (two levels per object level), so their bound is wider.
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_ITEMS = 4096
 # A seed or top_k becomes a 64-bit integer in a tensor or a generator.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
@@ -111,6 +115,54 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+def _bounded_schema(value: Any, name: str) -> Any:
+    if value is not None:
+        check_bounded(value, name, MAX_SCHEMA_DEPTH, MAX_SCHEMA_ITEMS)
+    return value
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`. `strict` is accepted: the schema is always
+    enforced when the engine has a grammar backend."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _bounded_schema(value, "response_format")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON Schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` object: exactly one constraint (checked with the rest)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=MAX_LIBRARY_ITEMS)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    @field_validator("json_")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        return _bounded_schema(value, "structured_outputs")
+
+
 class SamplingRequest(OpenAIRequest):
     """The fields completions and chat share, and their translation to `SamplingParams`."""
 
@@ -136,10 +188,25 @@ class SamplingRequest(OpenAIRequest):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_TOKEN_LIST)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constraints on the output (at most one): OpenAI's, vLLM's, and vLLM's older fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=MAX_LIBRARY_ITEMS)] | None = None
+    guided_grammar: str | None = None
+
+    @field_validator("guided_json")
+    @classmethod
+    def _bounded_guided_json(cls, value: Any) -> Any:
+        return _bounded_schema(value, "guided_json")
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError naming the field for an out-of-range value."""
+                           prompt_logprobs: int | None = None,
+                           structured_outputs: StructuredOutputsParams | None = None
+                           ) -> SamplingParams:
+        """Raises ValueError naming the field for an out-of-range value. The constraint
+        comes from structured_outputs.py, which reads this request's constraint fields."""
         def pick(value, default):
             return default if value is None else value
 
@@ -163,6 +230,7 @@ class SamplingRequest(OpenAIRequest):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
+            structured_outputs=structured_outputs,
         )
 
     @property
@@ -244,12 +312,58 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    # OpenAI sends JSON text; a dict is taken too (what templates are given).
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    """A call in an earlier assistant message, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_LIBRARY_ITEMS)] | None = None
+    tool_call_id: str | None = None  # role "tool": the call this message answers
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of an object
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _bounded_schema(value, "tools")
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -259,10 +373,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # Unsupported OpenAI features, named so that asking for them is a clear 400.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_LIBRARY_ITEMS)] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extras.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -289,9 +403,30 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the answer is only tool calls
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # reasoning and tool calls only when there are some
+        out = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -314,6 +449,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # chat_output.CallDelta.to_dict()
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):  # a delta carries only what changed

@@ -22,16 +22,20 @@ from pagedllm.engine.async_engine import (
     RequestFailedError,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from .protocol import (
+    MAX_LIBRARY_DEPTH,
+    MAX_LIBRARY_ITEMS,
     MIN_LOGPROB,
     ChatMessage,
     ErrorInfo,
     ErrorResponse,
     OpenAIRequest,
     SamplingRequest,
+    check_bounded,
 )
+from .structured_outputs import structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -244,11 +248,17 @@ class OpenAIServing:
                            "logprobs.", 400, param)
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        constraint: tuple[str, StructuredOutputsParams] | None = None
+                        ) -> SamplingParams:
+        """`constraint`: one more output constraint and the field that asked for it (a
+        forcing tool_choice), counted with the request's own."""
         try:
-            return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+            return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs,
+                                              structured_outputs(request, constraint))
         except ValueError as e:
-            raise APIError(str(e), 400, param_of(str(e), request)) from None
+            param = getattr(e, "param", None) or param_of(str(e), request)
+            raise APIError(str(e), 400, param) from None
 
     # ------------------------------------------------------------------ text
     def require_tokenizer(self):
@@ -286,25 +296,19 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict | None = None) -> Prompt:
-        """The chat template applied to the conversation, as text and token ids."""
+                    template_kwargs: dict | None = None, tools: list[dict] | None = None
+                    ) -> Prompt:
+        """The chat template applied to the conversation (and the tools, given to the
+        template as transformers does), as text and token ids."""
         tok = self.require_tokenizer()
-        conversation = []
-        for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise APIError(f"messages[{i}].content: only text parts are supported", 400,
-                                   "messages")
-                content = "\n".join(p.text for p in content)
-            message = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            conversation.append(message)
+        conversation = [_template_message(i, m) for i, m in enumerate(messages)]
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
             text = tok.apply_chat_template(
                 conversation, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                add_generation_prompt=add_generation_prompt, **extra)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
         # The template already wrote the special tokens it wants (BOS, role markers).
@@ -332,6 +336,45 @@ class OpenAIServing:
         if len(gens) == 1:
             return _single(gens[0], firsts[0], request)
         return _merge(gens, firsts, request)
+
+
+def _template_message(i: int, m: ChatMessage) -> dict:
+    """One message as chat templates take it. The arguments of earlier tool calls are given
+    as dicts (templates write them with `tojson`), parsed from OpenAI's JSON text; text that
+    is not a JSON object stays text."""
+    content = m.content
+    if isinstance(content, list):
+        if any(p.type != "text" or p.text is None for p in content):
+            raise APIError(f"messages[{i}].content: only text parts are supported", 400,
+                           "messages")
+        content = "\n".join(p.text for p in content)
+    message: dict = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            args = call.function.arguments
+            if isinstance(args, str):
+                try:
+                    parsed = json.loads(args)
+                except (ValueError, RecursionError):  # not JSON, or nested past the stack
+                    parsed = None
+                args = parsed if isinstance(parsed, dict) else args
+            try:  # what Jinja walks is bounded, like chat_template_kwargs
+                check_bounded(args, f"messages[{i}].tool_calls[{j}].function.arguments",
+                              MAX_LIBRARY_DEPTH, MAX_LIBRARY_ITEMS)
+            except ValueError as e:
+                raise APIError(str(e), 400, "messages") from None
+            entry = {"type": "function", "function": {"name": call.function.name,
+                                                      "arguments": args}}
+            if call.id is not None:
+                entry["id"] = call.id
+            calls.append(entry)
+        message["tool_calls"] = calls
+    return message
 
 
 def as_api_error(e: BaseException, request: BaseModel | None = None) -> BaseException:
