@@ -1,9 +1,9 @@
 """Tool calling and structured output end to end: the real SmolLM2 server (hermes parser
 for tool_choice "auto"), the official openai client and langchain-openai.
 
-Tests marked `needs_grammar` hold only once the engine enforces
-`SamplingParams.structured_outputs` (the grammar backend of issue 31's engine half): a
-135M model does not write a JSON list of calls, or JSON at all, unless held to it."""
+A forced tool choice and a structured-output request hold because the engine enforces
+`SamplingParams.structured_outputs`: a 135M model does not write a JSON list of calls, or
+JSON at all, unless held to it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather",
                                             "description": "The current weather in a city",
                                             "parameters": WEATHER_PARAMS}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-needs_grammar = pytest.mark.needs_grammar
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +36,6 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
 
 
-@needs_grammar
 def test_required_tool_choice_gives_parsable_calls(client: openai.OpenAI):
     out = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER],
                                          tool_choice="required", temperature=0,
@@ -107,7 +105,6 @@ def test_langchain_bind_tools_auto(chat_model):
         assert call["name"] == "get_weather" and isinstance(call["args"], dict)
 
 
-@needs_grammar
 def test_langchain_bind_tools_named(chat_model):
     msg = chat_model.bind_tools([get_weather], tool_choice="get_weather").invoke(
         "What is the weather in Paris?")
@@ -115,7 +112,6 @@ def test_langchain_bind_tools_named(chat_model):
     assert isinstance(msg.tool_calls[0]["args"]["city"], str)
 
 
-@needs_grammar
 def test_langchain_structured_output(chat_model):
     from pydantic import BaseModel
 
