@@ -109,6 +109,26 @@ def write_word_tokenizer(directory: str, vocab_size: int) -> None:
                    "model_max_length": 1 << 20}, f)
 
 
+def write_byte_tokenizer(directory: str, vocab_size: int) -> None:
+    """A byte-level tokenizer for random-weight models under grammars: ids 0..255 are the
+    256 bytes (so any text, JSON included, can be written token by token), the rest
+    whole words `w<i>`. The word tokenizer above has no `{` or `"` a JSON grammar could
+    allow."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for i in range(len(vocab), vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}, f)
+
+
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
     """`--input-len 256 --range-ratio 0.5` -> (128, 384), as `vllm bench`'s random dataset."""
     if not 0.0 <= range_ratio < 1.0:
