@@ -220,6 +220,54 @@ def test_compile_timeout_is_a_value_error(smol_llm, monkeypatch):
     assert not smol_llm.engine.scheduler.requests
 
 
+def test_a_slow_compile_holds_up_no_one(smol_llm, monkeypatch):
+    """The core queues a constrained sequence only once its grammar has compiled; until
+    then the others step on (a compile is seconds at worst, a step milliseconds)."""
+    import threading
+    import time
+
+    from pagedllm.engine.messages import EngineCoreRequest
+    from pagedllm.structured_output import GrammarCompiler
+
+    gate = threading.Event()
+    compile_now = GrammarCompiler._compile_now
+
+    def held(self, src):
+        gate.wait(60)
+        return compile_now(self, src)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_now", held)
+    engine = smol_llm.engine
+    core, eos = engine.core, list(engine.eos_token_ids)
+    ids = engine.tokenizer.encode("Write a code:")
+    regex = r"held-[0-9]{3}"  # never compiled before: the cache cannot answer
+    core.add_request(EngineCoreRequest("held", ids, greedy(SO(regex=regex), max_tokens=16), eos,
+                                       time.monotonic()))
+    core.add_request(EngineCoreRequest("free", ids, SamplingParams(temperature=0, max_tokens=6,
+                                                                   ignore_eos=True), eos,
+                                       time.monotonic()))
+    tokens: dict[str, list[int]] = {"held": [], "free": []}
+    done: set[str] = set()
+    while "free" not in done:
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finish_reason:
+                done.add(o.request_id)
+    assert len(tokens["free"]) == 6 and tokens["held"] == []  # it ran while "held" waited
+    assert core.has_unfinished_requests()
+    gate.set()
+    deadline = time.monotonic() + 60
+    while "held" not in done and time.monotonic() < deadline:
+        for o in core.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finish_reason:
+                assert o.error is None, o.error
+                done.add(o.request_id)
+    text = engine.tokenizer.decode(tokens["held"], skip_special_tokens=True)
+    assert re.fullmatch(regex, text), text
+    assert not core.has_unfinished_requests() and live_matchers(smol_llm) == 0
+
+
 def test_core_in_its_own_process_compiles_with_its_own_tokenizer():
     """The server's layout: the core process loads the tokenizer when the first constrained
     request arrives and enforces the constraint the front end validated."""

@@ -121,7 +121,12 @@ class AsyncLLM:
         consumer (e.g. a client disconnect) aborts the request and frees its blocks."""
         if self._dead is not None or not self.client.alive():
             raise self._dead or EngineDeadError("the engine is not running")
-        ids, seq_params, requests = self.processor.process(request_id, prompt, prompt_token_ids, params)
+        if params.structured_outputs is None:
+            ids, seq_params, requests = self.processor.process(request_id, prompt,
+                                                               prompt_token_ids, params)
+        else:  # checking the constraint compiles it: seconds, maybe, and not on the loop
+            ids, seq_params, requests = await asyncio.to_thread(
+                self.processor.process, request_id, prompt, prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams or request_id in self.output_processor:

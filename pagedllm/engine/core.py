@@ -9,6 +9,8 @@ the same in-process, under the offline `LLM`, and in a process of its own under 
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import KVCacheManager
@@ -19,6 +21,7 @@ from pagedllm.executor import ExecutorDeadError, make_executor
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import ModelSource, resolve_source
 from pagedllm.structured_output import SequenceGrammars, compiler_for
+from pagedllm.structured_output import compiler as grammar_compiler
 from pagedllm.tokenizers import load_tokenizer
 
 
@@ -72,6 +75,9 @@ class EngineCore:
         # front end's tokenizer when it shares this process (use_tokenizer), else its own.
         self._grammars: SequenceGrammars | None = None
         self._tokenizer = None
+        # Constrained sequences waiting for their grammar's compile:
+        # id -> (request, grammar source, future, deadline).
+        self._compiling: dict[str, tuple] = {}
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op in-process); also done at interpreter exit."""
@@ -131,30 +137,69 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue one sequence; ValueError for one the model cannot take (the front end
-        checks the same first, so that a client learns before anything is queued)."""
+        checks the same first, so that a client learns before anything is queued).
+
+        A constrained sequence whose grammar is not compiled yet waits beside the
+        scheduler until it is (`_admit_compiled`): a compile runs on a thread of its own
+        and never holds up the steps of everyone else."""
         vocab = self.executor.vocab_size
         p = request.sampling_params
         ids = request.prompt_token_ids
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if request.request_id in self._inflight_ids():
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        matcher = None
-        if p.structured_outputs is not None:  # compiled before anything is queued
-            matcher = self._sequence_grammars().new_matcher(p.structured_outputs,
-                                                            request.eos_token_ids)
+        rid = request.request_id
+        if rid in self._inflight_ids() or rid in self._compiling:
+            raise ValueError(f"request id {rid!r} is already in use")
+        compiled = None
+        if p.structured_outputs is not None:
+            grammars = self._sequence_grammars()
+            src, fut = grammars.compiler.submit(p.structured_outputs)
+            if not fut.done():
+                self._compiling[rid] = (request, src, fut, time.monotonic() + grammar_compiler.COMPILE_TIMEOUT_S)
+                return
+            compiled = grammars.compiler.outcome(fut.result())
+        self._queue(request, compiled)
+
+    def _queue(self, request: EngineCoreRequest, compiled) -> None:
+        p = request.sampling_params
         eos = frozenset(request.eos_token_ids)
         p._all_stop_token_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
         self.scheduler.add_request(Request(
-            request_id=request.request_id, prompt_token_ids=ids, max_tokens=p.max_tokens,
-            eos_token_ids=eos, stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            max_tokens=p.max_tokens, eos_token_ids=eos,
+            stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens, skip_prefix_cache=p.prompt_logprobs is not None,
             sampling_params=p, arrival_time=request.arrival_time,
         ))
         if p.needs_penalties:
             self._penalized.add(request.request_id)
-        if matcher is not None:
-            self._grammars.add(request.request_id, matcher)
+        if compiled is not None:
+            self._grammars.add(request.request_id,
+                               self._grammars.new_matcher(compiled, request.eos_token_ids))
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the waiting sequences whose grammar has compiled; fail those whose compile
+        failed or ran past its deadline. With nothing else to run, wait a moment for the
+        first compile rather than spin."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished() and self._inflight is None:
+            wait_futures([f for _, _, f, _ in self._compiling.values()], timeout=0.01,
+                         return_when=FIRST_COMPLETED)
+        failed: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for rid, (request, src, fut, deadline) in list(self._compiling.items()):
+            if not fut.done() and now < deadline:
+                continue
+            del self._compiling[rid]
+            try:
+                if not fut.done():
+                    raise self._grammars.compiler.timeout_error(
+                        src, grammar_compiler.COMPILE_TIMEOUT_S)
+                self._queue(request, self._grammars.compiler.outcome(fut.result()))
+            except ValueError as e:
+                failed.append(EngineCoreOutput(rid, finish_reason="error", error=str(e)))
+        return failed
 
     def _inflight_ids(self) -> set[str]:
         """An aborted sequence's last step may still be running: its id is not free yet."""
@@ -165,6 +210,7 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """End these sequences now and free their blocks (unknown or finished ids: no-op)."""
         for rid in request_ids:
+            self._compiling.pop(rid, None)
             self.scheduler.abort(rid)
             self.scheduler.release(rid)
             self._forget(rid)
@@ -178,7 +224,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """A step still in flight whose sequences have all ended (it computed one token past
         their end) does not count: the next step reads it, or nobody needs to."""
-        return self.scheduler.has_unfinished() or bool(self._stashed)
+        return self.scheduler.has_unfinished() or bool(self._stashed) or bool(self._compiling)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -195,6 +241,7 @@ class EngineCore:
         one. Such a step is read before the next is scheduled; the masks of the next are
         then filled on the host (a few microseconds a row) and travel with it."""
         outputs, self._stashed = self._stashed, []
+        outputs += self._admit_compiled()
         prev, self._inflight = self._inflight, None
         if prev is not None and (self._penalized or self._constrained()):
             outputs += self._complete(*prev)

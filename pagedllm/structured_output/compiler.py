@@ -67,33 +67,50 @@ class GrammarCompiler:
         self._running: dict[tuple, Future] = {}
         self._lock = threading.Lock()
 
-    def compile(self, params: StructuredOutputsParams, timeout_s: float | None = None):
-        """The CompiledGrammar of a constraint; ValueError naming the field when it is
-        malformed, unsupported or does not compile within the deadline."""
+    def submit(self, params: StructuredOutputsParams) -> tuple[GrammarSource, Future]:
+        """Start compiling a constraint (or find it compiled or compiling): its source and
+        a future of the CompiledGrammar or the ValueError its source gave. The engine core
+        takes this route so that no compile ever holds up a step."""
         src = grammar_source(params)
-        timeout = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
         with self._lock:
             hit = self._cache.get(src.key)
             if hit is not None:
                 self._cache.move_to_end(src.key)
-            else:
-                fut = self._running.get(src.key)
-                if fut is None:
-                    fut = self._running[src.key] = Future()
-                    # A daemon thread: a compile past its deadline cannot be stopped, but it
-                    # must not keep the interpreter from exiting either.
-                    threading.Thread(target=self._run, args=(src, fut), daemon=True,
-                                     name="pagedllm-grammar-compile").start()
-        if hit is None:
-            try:
-                hit = fut.result(timeout=timeout)
-            except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
-                raise ValueError(
-                    f"structured_outputs.{src.field} took longer than {timeout:g} s to "
-                    "compile; simplify the constraint") from None
-        if isinstance(hit, ValueError):
-            raise ValueError(str(hit))
-        return hit
+                fut: Future = Future()
+                fut.set_result(hit)
+                return src, fut
+            fut = self._running.get(src.key)
+            if fut is None:
+                fut = self._running[src.key] = Future()
+                # A daemon thread: a compile past its deadline cannot be stopped, but it
+                # must not keep the interpreter from exiting either.
+                threading.Thread(target=self._run, args=(src, fut), daemon=True,
+                                 name="pagedllm-grammar-compile").start()
+        return src, fut
+
+    @staticmethod
+    def timeout_error(src: GrammarSource, timeout_s: float) -> ValueError:
+        return ValueError(f"structured_outputs.{src.field} took longer than {timeout_s:g} s "
+                          "to compile; simplify the constraint")
+
+    @staticmethod
+    def outcome(result: Any):
+        """A finished compile's CompiledGrammar; its ValueError raised."""
+        if isinstance(result, ValueError):
+            raise ValueError(str(result))
+        return result
+
+    def compile(self, params: StructuredOutputsParams, timeout_s: float | None = None):
+        """The CompiledGrammar of a constraint; ValueError naming the field when it is
+        malformed, unsupported or does not compile within the deadline. Blocks the caller:
+        the front end calls it off its event loop."""
+        timeout = COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+        src, fut = self.submit(params)
+        try:
+            result = fut.result(timeout=timeout)
+        except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
+            raise self.timeout_error(src, timeout) from None
+        return self.outcome(result)
 
     def _run(self, src: GrammarSource, fut: Future) -> None:
         try:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.compiler import GrammarCompiler
 
 
@@ -41,13 +40,12 @@ class SequenceGrammars:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def new_matcher(self, params: StructuredOutputsParams, eos_token_ids: list[int]):
-        """A matcher at the start of the constraint (the prompt is never constrained).
-        It ends on the request's own end-of-sequence ids, so that the token that completes
-        the grammar is one the scheduler stops on. ValueError for a bad constraint."""
+    def new_matcher(self, compiled, eos_token_ids: list[int]):
+        """A matcher of a compiled constraint, at its start (the prompt is never
+        constrained). It ends on the request's own end-of-sequence ids, so that the token
+        that completes the grammar is one the scheduler stops on."""
         import xgrammar
 
-        compiled = self.compiler.compile(params)
         return xgrammar.GrammarMatcher(compiled, override_stop_tokens=list(eos_token_ids) or None)
 
     def add(self, request_id: str, matcher) -> None:
