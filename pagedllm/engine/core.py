@@ -235,21 +235,26 @@ class EngineCore:
 
         Under async scheduling a call schedules and launches step N+1, then reads step N
         (launched by the previous call): the host's scheduling and layout run while the
-        device computes. A sequence whose sampling needs its whole history on the host
-        turns the overlap off while it runs: penalties count every earlier token, and a
-        grammar's mask for the next token exists only once its matcher has taken the last
-        one. Such a step is read before the next is scheduled; the masks of the next are
-        then filled on the host (a few microseconds a row) and travel with it."""
+        device computes. Penalties need every earlier token on the host, so a sequence
+        with them turns the overlap off while it runs (step N is read before N+1 is
+        scheduled). A grammar's mask for the next token exists only once its matcher has
+        taken the last one: with constrained sequences live, step N+1's forward pass is
+        launched first, step N is read and its tokens fed to the matchers while that
+        forward runs, and then N+1's sampling is launched under the masks (executors that
+        cannot split a step read N first and send the masks with N+1)."""
         outputs, self._stashed = self._stashed, []
         outputs += self._admit_compiled()
         prev, self._inflight = self._inflight, None
-        if prev is not None and (self._penalized or self._constrained()):
+        constrained = self._constrained()
+        split = (constrained and self.async_scheduling
+                 and getattr(self.executor, "supports_deferred_sampling", False))
+        if prev is not None and (self._penalized or (constrained and not split)):
             outputs += self._complete(*prev)
             prev = None
         so = self.scheduler.schedule()
-        if self._constrained() and not so.is_empty:
-            so.grammar_bitmask = self._grammars.bitmask(
-                [c.request_id for c in so.chunks if c.sample])
+        defer = split and prev is not None and not self._penalized and not so.is_empty
+        if constrained and not defer and not so.is_empty:
+            so.grammar_bitmask = self._step_mask(so)
         if so.is_empty and not so.finished_req_ids:
             if prev is not None:
                 outputs += self._complete(*prev)
@@ -257,7 +262,10 @@ class EngineCore:
         try:
             # An empty step still lets the worker drop aborted requests.
             ex = self.executor
-            handle = ex.launch(so) if self.async_scheduling else ex.execute(so)
+            if defer:
+                handle = ex.launch(so, defer_sampling=True)
+            else:
+                handle = ex.launch(so) if self.async_scheduling else ex.execute(so)
         except ExecutorDeadError:
             raise  # not this step's fault: nothing can run any more, every request must end
         except Exception as e:
@@ -272,8 +280,16 @@ class EngineCore:
         else:
             self._inflight = (so, handle)
         if prev is not None:
-            outputs += self._complete(*prev)
+            try:
+                outputs += self._complete(*prev)
+            finally:
+                if defer:  # the matchers now hold step N's tokens (or it failed)
+                    handle.sample(self._step_mask(so) if self._grammars is not None else None)
         return outputs
+
+    def _step_mask(self, so):
+        """The grammar masks of a step's sampled rows (None: none is constrained)."""
+        return self._grammars.bitmask([c.request_id for c in so.chunks if c.sample])
 
     def _live_ids(self, so) -> list[str]:
         reqs = self.scheduler.requests

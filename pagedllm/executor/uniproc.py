@@ -41,9 +41,12 @@ class UniprocExecutor:
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(so)
 
-    def launch(self, so: SchedulerOutput):
+    # The step's sampling can wait for grammar masks filled while its forward runs.
+    supports_deferred_sampling = True
+
+    def launch(self, so: SchedulerOutput, defer_sampling: bool = False):
         """Queued on the device, not waited for: the engine reads it after its next launch."""
-        return self.runner.launch(so)
+        return self.runner.launch(so, defer_sampling)
 
     def shutdown(self) -> None:
         pass

@@ -59,21 +59,44 @@ class RunnerOutput:
 class LaunchedStep:
     """A step queued on the device. `result()` waits for its sampled tokens (copied to
     pinned host memory behind an event, so waiting blocks on this step alone) and turns
-    them into a RunnerOutput; it is called exactly once."""
+    them into a RunnerOutput; it is called exactly once.
+
+    A step launched with `defer_sampling` has its forward pass queued and waits for
+    `sample(step_mask)`: the engine fills the grammar masks of this step on the host while
+    the device runs the forward, once the matchers have taken the previous step's tokens."""
 
     def __init__(self, runner: ModelRunner, out: RunnerOutput, sample_ids: list[str],
-                 sampled: SampledTensors | None, valid: torch.Tensor | None):
+                 sampled: SampledTensors | None, valid: torch.Tensor | None,
+                 pending: tuple | None = None):
         self.runner, self.out, self.sample_ids = runner, out, sample_ids
         self.sampled, self.valid = sampled, valid
+        self.pending = pending  # (logits, batch, states): sampling still to launch
         self.event = None
-        if sampled is not None and runner.device.type == "cuda":
-            self.sampled = sampled.to(torch.device("cpu"), non_blocking=True)
-            self.valid = valid.to("cpu", non_blocking=True)
+        if sampled is not None:
+            self._copy_out()
+
+    def _copy_out(self) -> None:
+        if self.runner.device.type == "cuda":
+            self.sampled = self.sampled.to(torch.device("cpu"), non_blocking=True)
+            self.valid = self.valid.to("cpu", non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def sample(self, step_mask) -> None:
+        """Launch the sampling of a deferred step, under these grammar masks (a
+        StepBitmask, or None when no row of the step is constrained)."""
+        if self.pending is None:
+            return
+        logits, batch, states = self.pending
+        self.pending = None
+        self.sampled = self.runner.sample_rows(logits, batch, self.valid, states,
+                                               self.sample_ids, step_mask)
+        self._copy_out()
+
     def result(self) -> RunnerOutput:
         out, runner = self.out, self.runner
+        if self.pending is not None:
+            raise RuntimeError("a deferred step was read before it was sampled")
         if self.sampled is None:
             return out
         if self.event is not None:
@@ -307,9 +330,10 @@ class ModelRunner:
         return self.launch(so).result()
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+    def launch(self, so: SchedulerOutput, defer_sampling: bool = False) -> LaunchedStep:
         """Queue one step on the device. Nothing here waits for the device unless the step
-        owes prompt logprobs (rare: those are read at once)."""
+        owes prompt logprobs (rare: those are read at once). With `defer_sampling` only
+        the forward pass is queued; the handle's `sample` queues the rest."""
         self._update_states(so)
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
@@ -352,14 +376,24 @@ class ModelRunner:
         valid = torch.isfinite(logits.amax(-1))
         states = [self.states[r] for r in sample_ids]
         batch = self._sampling_batch(states, logits.shape[-1])
-        if so.grammar_bitmask is not None:
-            self._grammar_rows(batch, so.grammar_bitmask, sample_ids)
+        if defer_sampling:
+            return LaunchedStep(self, out, sample_ids, None, valid, (logits, batch, states))
+        sampled = self.sample_rows(logits, batch, valid, states, sample_ids, so.grammar_bitmask)
+        return LaunchedStep(self, out, sample_ids, sampled, valid)
+
+    @torch.inference_mode()
+    def sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, valid: torch.Tensor,
+                    states: list[_ReqState], sample_ids: list[str], step_mask) -> SampledTensors:
+        """Sample a step's rows (under its grammar masks, if any) and keep the tokens on
+        the device for the next step's inputs."""
+        if step_mask is not None:
+            self._grammar_rows(batch, step_mask, sample_ids)
         sampled = self.sampler.sample(logits, batch, valid)
         for st in states:
             st.num_pending += 1
         self._prev_tokens = sampled.token_ids
         self._prev_rows = {rid: i for i, rid in enumerate(sample_ids)}
-        return LaunchedStep(self, out, sample_ids, sampled, valid)
+        return sampled
 
     def _owe_prompt_logprobs(self, c, row: int, plp_rows: dict) -> None:
         """Rows of this chunk whose logits give prompt logprobs not yet reported
