@@ -425,8 +425,12 @@ class ModelRunner:
         rows = [row_of[rid] for rid in step_mask.request_ids]
         full = np.full((len(sample_ids), step_mask.bitmask.shape[1]), -1, dtype=np.int32)
         full[rows] = step_mask.bitmask
-        (b.grammar_bitmask,) = self._to_device(full)
-        b.grammar_rows = rows
+        if len(rows) == len(sample_ids):  # every row: no index list at all
+            (b.grammar_bitmask,) = self._to_device(full)
+            b.grammar_rows = None
+        else:  # the rows go over as a device tensor: a Python list would be copied from
+            # pageable memory, which waits for the forward pass queued before it
+            b.grammar_bitmask, b.grammar_rows = self._to_device(full, np.asarray(rows, np.int32))
 
     def _sampling_batch(self, states: list[_ReqState], vocab: int) -> SamplingBatch:
         dev = self.device

@@ -38,7 +38,7 @@ class SamplingBatch:
     # Constrained decoding: [N, ceil(V / 32)] int32 token bitmask (bit 0 = forbidden) and
     # the rows it applies to; None when no row of the batch is constrained.
     grammar_bitmask: torch.Tensor | None = None
-    grammar_rows: list[int] | None = None
+    grammar_rows: torch.Tensor | None = None  # None: every row
 
 
 @dataclass
