@@ -216,6 +216,31 @@ def partial_marker(text: str, marker: str) -> int:
     return 0
 
 
+def find_marker(text: str, marker: str, pos: int, final: bool,
+                items: list[str | ToolCallText]) -> int:
+    """Where `marker` next starts at or after `pos` (-1: nowhere). The text before it goes
+    to `items`; with no marker, the rest of the text does, less (until the answer is final)
+    a tail that may be the marker's beginning."""
+    s = text.find(marker, pos)
+    if s < 0:
+        rest = text[pos:]
+        items.append(rest if final else rest[:len(rest) - partial_marker(rest, marker)])
+    else:
+        items.append(text[pos:s])
+    return s
+
+
+def list_calls(text: str, scans: list[CallScan], rest: int | None, final: bool) -> ParsedTools:
+    """The answer of a call list: its calls, then the text after it (`rest`: where that
+    starts; None while the list is still open)."""
+    if not scans:  # nothing named yet: text once the list is known not to be calls
+        return ParsedTools(text if rest is not None else "", [])
+    items: list[str | ToolCallText] = [s.call(final) for s in scans]
+    if rest is not None:
+        items.append(text[rest:])
+    return assemble(items, final)
+
+
 def assemble(items: list[str | ToolCallText], final: bool) -> ParsedTools:
     """Text pieces and calls in order -> content and calls. Whitespace that only separates
     text from a call is dropped. While not `final`, trailing whitespace waits: a call may

@@ -5,7 +5,14 @@ comes from tools.py), which becomes the message's tool calls. Output that is not
 
 from __future__ import annotations
 
-from .base import ParsedTools, ToolCallText, ToolParser, assemble, scan_call_list, skip_ws
+from .base import (
+    ParsedTools,
+    ToolParser,
+    assemble,
+    list_calls,
+    scan_call_list,
+    skip_ws,
+)
 
 
 class ForcedToolParser(ToolParser):
@@ -18,9 +25,4 @@ class ForcedToolParser(ToolParser):
         if text[i] != "[":
             return assemble([text], final)
         scans, rest = scan_call_list(text, i + 1, ",", "]", final)
-        if not scans:
-            return ParsedTools(text if rest is not None else "", [])
-        items: list[str | ToolCallText] = [s.call(final) for s in scans]
-        if rest is not None:
-            items.append(text[rest:])
-        return assemble(items, final)
+        return list_calls(text, scans, rest, final)

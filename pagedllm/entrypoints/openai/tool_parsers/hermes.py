@@ -3,7 +3,15 @@ between `<tool_call>` and `</tool_call>`; text around the blocks is the message 
 
 from __future__ import annotations
 
-from .base import ParsedTools, ToolCallText, ToolParser, assemble, partial_marker, scan_call
+from .base import (
+    ParsedTools,
+    ToolCallText,
+    ToolParser,
+    assemble,
+    find_marker,
+    partial_marker,
+    scan_call,
+)
 
 
 class HermesToolParser(ToolParser):
@@ -14,12 +22,9 @@ class HermesToolParser(ToolParser):
         items: list[str | ToolCallText] = []
         pos = 0
         while True:
-            s = text.find(self.START, pos)
+            s = find_marker(text, self.START, pos, final, items)
             if s < 0:
-                rest = text[pos:]
-                items.append(rest if final else rest[:len(rest) - partial_marker(rest, self.START)])
                 break
-            items.append(text[pos:s])
             body_start = s + len(self.START)
             e = text.find(self.END, body_start)
             closed = e >= 0 or final

@@ -4,7 +4,14 @@ open with such an object is plain content."""
 
 from __future__ import annotations
 
-from .base import ParsedTools, ToolCallText, ToolParser, assemble, scan_call_list, skip_ws
+from .base import (
+    ParsedTools,
+    ToolParser,
+    assemble,
+    list_calls,
+    scan_call_list,
+    skip_ws,
+)
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -22,9 +29,4 @@ class Llama3JsonToolParser(ToolParser):
         if text[i] != "{":
             return assemble([text], final)
         scans, rest = scan_call_list(text, i, ";", None, final)
-        if not scans:
-            return ParsedTools(text if rest is not None else "", [])
-        items: list[str | ToolCallText] = [s.call(final) for s in scans]
-        if rest is not None:
-            items.append(text[rest:])
-        return assemble(items, final)
+        return list_calls(text, scans, rest, final)

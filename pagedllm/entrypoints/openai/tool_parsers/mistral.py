@@ -9,7 +9,7 @@ from .base import (
     ToolCallText,
     ToolParser,
     assemble,
-    partial_marker,
+    find_marker,
     scan_call_list,
     scan_value,
     skip_ws,
@@ -25,12 +25,9 @@ class MistralToolParser(ToolParser):
         items: list[str | ToolCallText] = []
         pos = 0
         while True:
-            s = text.find(self.START, pos)
+            s = find_marker(text, self.START, pos, final, items)
             if s < 0:
-                rest = text[pos:]
-                items.append(rest if final else rest[:len(rest) - partial_marker(rest, self.START)])
                 break
-            items.append(text[pos:s])
             calls, rest = self._calls(text, s + len(self.START), final)
             if not calls:  # nothing named: the marker and what follows are text, once known
                 if rest is not None:
