@@ -66,6 +66,10 @@ def parse_bytes(value: str | int | float | None) -> int | None:
 @dataclass
 class EngineConfig:
     model: str | None = None
+    # A hub id's branch, tag or commit (None: main) and the Hugging Face cache it is read
+    # from and downloaded to (None: $HF_HUB_CACHE, else $HF_HOME/hub). No effect on a path.
+    revision: str | None = None
+    download_dir: str | None = None
     tokenizer: str | None = None
     served_model_name: list[str] | None = None
     max_model_len: int | None = None
