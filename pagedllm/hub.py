@@ -75,28 +75,57 @@ def _weight_patterns(repo_id: str, revision: str | None, cache_dir: str) -> list
     return ggufs
 
 
+def _complete(snapshot: str, weights: bool) -> bool:
+    """Whether a cached snapshot can be used as it is: it has a config (or is a GGUF
+    repo) and, when `weights`, weight files, every shard its index names included (a
+    `plan` reads only the config, and a download may have been cut short)."""
+    import glob
+    import json
+
+    names = os.listdir(snapshot)
+    has_weights = any(n.endswith((".safetensors", ".bin", ".pt", ".gguf")) for n in names)
+    if not weights:
+        return "config.json" in names or has_weights
+    if not has_weights:
+        return False
+    for index in glob.glob(os.path.join(snapshot, "*.index.json")):
+        try:
+            with open(index) as f:
+                shards = set(json.load(f).get("weight_map", {}).values())
+        except (OSError, ValueError):
+            return False
+        if not all(os.path.exists(os.path.join(snapshot, s)) for s in shards):
+            return False
+    return True
+
+
 def resolve_hub_model(repo_id: str, revision: str | None = None,
-                      download_dir: str | None = None) -> str:
+                      download_dir: str | None = None, weights: bool = True) -> str:
     """The local snapshot directory of `repo_id` at `revision` (None: the main branch):
-    from the cache, else downloaded unless HF_HUB_OFFLINE is set. Raises
+    from the cache, else downloaded unless HF_HUB_OFFLINE is set. `weights=False` asks
+    for the config and tokenizer files only (what `pagedllm plan` reads). Raises
     HubModelNotFoundError, with a one-line message, when neither works."""
     from huggingface_hub import snapshot_download
 
     cache_dir = hub_cache_dir(download_dir)
     at = f" at revision {revision!r}" if revision else ""
     try:
-        return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                 local_files_only=True)
+        snapshot = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                     local_files_only=True)
     except Exception:  # not cached (or that revision is not): try the network below
-        pass
+        snapshot = None
+    if snapshot is not None and _complete(snapshot, weights):
+        return snapshot
+    what = "is not" if snapshot is None else "is incomplete (no weights or missing shards)"
     if hub_offline():
         raise HubModelNotFoundError(
-            f"model {repo_id!r}{at} is not in the Hugging Face cache {cache_dir} and "
+            f"model {repo_id!r}{at} {what} in the Hugging Face cache {cache_dir} and "
             "HF_HUB_OFFLINE is set: unset it (or set HF_HUB_OFFLINE=0) to download, point "
             "HF_HOME / HF_HUB_CACHE / --download-dir at a cache that has it, or pass a local "
             "directory")
     try:
-        patterns = _TEXT_PATTERNS + _weight_patterns(repo_id, revision, cache_dir)
+        patterns = _TEXT_PATTERNS + (_weight_patterns(repo_id, revision, cache_dir)
+                                     if weights else [])
         return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
                                  allow_patterns=patterns)
     except HubModelNotFoundError:
@@ -104,7 +133,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None,
     except Exception as e:  # no such repo, gated, no network, disk full, ...
         why = " ".join(str(e).split())[:300] or type(e).__name__
         raise HubModelNotFoundError(
-            f"model {repo_id!r}{at} is not in the Hugging Face cache {cache_dir} and could "
+            f"model {repo_id!r}{at} {what} in the Hugging Face cache {cache_dir} and could "
             f"not be downloaded ({type(e).__name__}: {why}): check the id and revision, log "
             "in (`hf auth login` or HF_TOKEN) for a gated model, or pass a local directory"
         ) from None

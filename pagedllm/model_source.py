@@ -26,13 +26,17 @@ class ModelSource:
 
 
 def resolve_source(model: str, load_format: str = "auto", revision: str | None = None,
-                   download_dir: str | None = None) -> ModelSource:
+                   download_dir: str | None = None, config_only: bool = False) -> ModelSource:
     """Where `model` is on disk and in which format. A hub id becomes its snapshot
     directory (`revision` and `download_dir` apply to hub ids only), so that everything
-    after this reads one local layout."""
+    after this reads one local layout. `config_only` (pagedllm plan): a hub id needs only
+    its config files, and a snapshot without weights is read as load_format "dummy"."""
     path = os.path.expanduser(model)
     if looks_like_hub_id(model):
-        path = resolve_hub_model(model, revision, download_dir)
+        path = resolve_hub_model(model, revision, download_dir, weights=not config_only)
+        if config_only and load_format == "auto" and not any(
+                n.endswith((".safetensors", ".bin", ".pt", ".gguf")) for n in os.listdir(path)):
+            load_format = "dummy"
     elif not os.path.exists(path):
         raise FileNotFoundError(
             f"model {model!r} not found: give a local Hugging Face checkpoint directory, a "

@@ -187,3 +187,31 @@ def test_load_progress_is_throttled(checkpoint, caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if r.name == loader.__name__]
     n = len([f for f in os.listdir(checkpoint) if f.endswith(".safetensors")])
     assert len(lines) == 2 and lines[1].startswith(f"loading weights: {n}/{n} files")
+
+
+def test_plan_needs_only_the_config_but_loading_needs_every_shard(tmp_path, monkeypatch,
+                                                                   checkpoint):
+    """A snapshot with the config alone (what a plan fetches) plans; one with a shard
+    missing from its index is not loaded as if complete."""
+    import shutil
+
+    from pagedllm.entrypoints.plan import plan_rows
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(os.path.join(checkpoint, "config.json"), config_only)
+    _lay_out_cache(str(tmp_path / "cache"), "tiny-org/config-only", str(config_only))
+    info, _ = plan_rows("tiny-org/config-only")
+    assert info["architecture"] == "Qwen3ForCausalLM"
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_source("tiny-org/config-only")
+    _one_line_error(e, "tiny-org/config-only", "incomplete", str(tmp_path / "cache"))
+
+    snap = _lay_out_cache(str(tmp_path / "cache"), "tiny-org/cut-short", checkpoint)
+    shards = sorted(f for f in os.listdir(snap) if f.endswith(".safetensors"))
+    os.remove(os.path.join(snap, shards[-1]))
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_source("tiny-org/cut-short")
+    _one_line_error(e, "tiny-org/cut-short", "incomplete")

@@ -66,7 +66,8 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
                        max_num_batched_tokens=max_num_batched_tokens,
                        **{k: v for k, v in given.items() if v is not None})
     block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
-    hf = load_hf_config(resolve_source(cfg.model, load_format, revision, download_dir))
+    hf = load_hf_config(resolve_source(cfg.model, load_format, revision, download_dir,
+                                        config_only=True))
     on_gpu = gpu_memory is not None
     # The engine's own defaults, for the device the plan is for.
     cfg = cfg.resolve(hf, cuda_available=on_gpu)
