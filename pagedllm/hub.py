@@ -16,14 +16,14 @@ A leaf module: no torch; huggingface_hub is imported only when an id is resolved
 from __future__ import annotations
 
 import os
-import re
 
-# One `org/name` (letters, digits, '-', '_', '.'), as the Hub spells repo ids. A path
-# with more components, a leading '/', '.' or '~' is a local path and never an id.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
+from pagedllm.config import looks_like_hub_id
+
+__all__ = ["HubModelNotFoundError", "hub_cache_dir", "hub_offline", "looks_like_hub_id",
+           "resolve_hub_model"]
+
 # What a checkpoint needs besides its weights: configs, tokenizer files, chat templates.
 _TEXT_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-_FILE_SUFFIXES = (".gguf", ".json", ".safetensors", ".bin", ".pt")  # a missing local file
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's spelling of a true variable
 
 
@@ -31,13 +31,6 @@ class HubModelNotFoundError(FileNotFoundError):
     """A hub id that is neither in the cache nor downloadable: the message is one line
     that says what was looked for, where, and what to do, so every entrypoint can print
     it as is instead of a traceback."""
-
-
-def looks_like_hub_id(model: str) -> bool:
-    """True for `org/name` that is not an existing local path (a local directory of the
-    same shape wins, as in vLLM and transformers)."""
-    return (bool(_HUB_ID.match(model)) and ".." not in model
-            and not model.lower().endswith(_FILE_SUFFIXES) and not os.path.exists(model))
 
 
 def hub_offline() -> bool:

@@ -106,6 +106,12 @@ def test_a_cached_hub_id_generates_like_its_snapshot_directory(hf_home, checkpoi
     by_id = _greedy(REPO)
     assert by_id == _greedy(source.path) == _greedy(checkpoint)
     assert all(len(t) == GREEDY.max_tokens for t in by_id)
+    from pagedllm.config import EngineConfig
+    from pagedllm.entrypoints.openai.serving_engine import model_aliases
+
+    config = EngineConfig(model=REPO)
+    assert config.model_name == REPO  # the id, as vLLM serves it
+    assert model_aliases(config) == {REPO, "tiny-qwen3"}
 
 
 def test_download_dir_is_the_cache(tmp_path, monkeypatch, checkpoint):
