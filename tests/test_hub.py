@@ -221,3 +221,44 @@ def test_plan_needs_only_the_config_but_loading_needs_every_shard(tmp_path, monk
     with pytest.raises(FileNotFoundError) as e:
         resolve_source("tiny-org/cut-short")
     _one_line_error(e, "tiny-org/cut-short", "incomplete")
+
+
+def test_a_missing_id_is_downloaded_once_in_one_weight_format(tmp_path, monkeypatch,
+                                                              checkpoint):
+    """Online (HF_HUB_OFFLINE unset), a cache miss downloads the config, tokenizer and
+    the safetensors only (not the same weights again as .bin); a failed download is one
+    line. huggingface_hub's network calls are stood in for."""
+    import shutil
+
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    calls: list[dict] = []
+
+    def fake_snapshot_download(repo_id, **kw):
+        calls.append(kw)
+        if kw.get("local_files_only"):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        snap = os.path.join(kw["cache_dir"], "fake-snapshot")
+        shutil.copytree(checkpoint, snap, dirs_exist_ok=True)
+        return snap
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", lambda repo_id, revision=None: [
+        "config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json"])
+    source = resolve_source("tiny-org/remote", revision="v1")
+    assert source.path == str(tmp_path / "cache" / "fake-snapshot")
+    assert [c.get("local_files_only", False) for c in calls] == [True, False]
+    patterns = calls[1]["allow_patterns"]
+    assert "*.safetensors" in patterns and "*.bin" not in patterns and "*.json" in patterns
+    assert calls[1]["revision"] == "v1" and calls[1]["cache_dir"] == str(tmp_path / "cache")
+
+    def no_network(repo_id, revision=None):
+        raise ConnectionError("Name or service not known\nsecond line")
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", no_network)
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_source("tiny-org/unreachable")
+    _one_line_error(e, "tiny-org/unreachable", "could not be downloaded", "ConnectionError",
+                    str(tmp_path / "cache"))
