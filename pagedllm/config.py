@@ -63,9 +63,26 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(num * base ** "_kmgt".index(unit or "_"))
 
 
+# One `org/name` (letters, digits, '-', '_', '.'), as the Hub spells repo ids. A path
+# with more components, a leading '/', '.' or '~' is a local path and never an id.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
+_FILE_SUFFIXES = (".gguf", ".json", ".safetensors", ".bin", ".pt")  # a missing local file
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """True for `org/name` that is not an existing local path (a local directory of the
+    same shape wins, as in vLLM and transformers)."""
+    return (bool(_HUB_ID.match(model)) and ".." not in model
+            and not model.lower().endswith(_FILE_SUFFIXES) and not os.path.exists(model))
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
+    # A hub id's branch, tag or commit (None: main) and the Hugging Face cache it is read
+    # from and downloaded to (None: $HF_HUB_CACHE, else $HF_HOME/hub). No effect on a path.
+    revision: str | None = None
+    download_dir: str | None = None
     tokenizer: str | None = None
     served_model_name: list[str] | None = None
     max_model_len: int | None = None
@@ -178,7 +195,10 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients address the model by."""
+        """The name clients address the model by: a hub id as given (as vLLM lists it),
+        else a path's last component."""
         if self.served_model_name:
             return self.served_model_name[0]
+        if looks_like_hub_id(self.model):
+            return self.model
         return self.model.rstrip("/").rsplit("/", 1)[-1]

@@ -38,7 +38,7 @@ def test_seed_article_command_line():
                        "--tensor-parallel-size", "2", "--max-context-length", "4096")
     assert (args.host, args.port) == ("0.0.0.0", 8080)
     config = engine_config(args)
-    assert config.model == "Qwen/Qwen-7B-Chat" and config.model_name == "Qwen-7B-Chat"
+    assert config.model == "Qwen/Qwen-7B-Chat" and config.model_name == "Qwen/Qwen-7B-Chat"
     assert config.tensor_parallel_size == 2 and config.max_model_len == 4096
 
 

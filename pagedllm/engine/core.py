@@ -36,7 +36,8 @@ class StepError(RuntimeError):
 
 def load_model_config(config: EngineConfig) -> tuple[EngineConfig, ModelSource, object]:
     """The checkpoint's location and config, and the engine config resolved against them."""
-    source = resolve_source(config.model, config.load_format)
+    source = resolve_source(config.model, config.load_format, config.revision,
+                            config.download_dir)
     hf_config = load_hf_config(source)
     # Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window) are masked by the
     # attention backends. GGUF configs get transformers' default window, not the file's,
@@ -127,7 +128,8 @@ class EngineCore:
                 if self.config.skip_tokenizer_init:
                     raise ValueError("structured_outputs needs the tokenizer "
                                      "(skip_tokenizer_init=False)")
-                source = resolve_source(self.config.model, self.config.load_format)
+                c = self.config
+                source = resolve_source(c.model, c.load_format, c.revision, c.download_dir)
                 self._tokenizer = load_tokenizer(source, self.config.tokenizer)
             self._grammars = SequenceGrammars(compiler_for(self._tokenizer, self.executor.vocab_size))
         return self._grammars

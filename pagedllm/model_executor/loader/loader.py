@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import glob
+import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +19,9 @@ from pagedllm.model_executor.models.remote_code import remote_code_architecture,
 
 # resolve_source is re-exported: the engine imports it from here.
 from pagedllm.model_source import ModelSource, resolve_source  # noqa: F401
+
+logger = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 5.0  # seconds between load progress lines (the last file always logs)
 
 
 def load_hf_config(source: ModelSource):
@@ -45,24 +50,56 @@ def load_hf_config(source: ModelSource):
         raise e
 
 
+class LoadProgress:
+    """Log lines while checkpoint files are read, so that a 15-75 s load is not silent:
+    one line at the start (files, GiB), then one when a file is done if PROGRESS_EVERY_S
+    have passed since the last line, and always at the last file. Costs a stat per file."""
+
+    def __init__(self, files: list[str]):
+        self.files = files
+        self.sizes = [os.path.getsize(f) for f in files]
+        self.total = sum(self.sizes)
+        self.done = 0
+        self.done_bytes = 0
+        self.t0 = self.last = time.monotonic()
+        logger.info("loading weights: %d file%s, %.1f GiB, from %s", len(files),
+                    "" if len(files) == 1 else "s", self.total / 2**30,
+                    os.path.dirname(files[0]) if files else "?")
+
+    def file_done(self) -> None:
+        self.done_bytes += self.sizes[self.done]
+        self.done += 1
+        now = time.monotonic()
+        if self.done == len(self.files) or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            logger.info("loading weights: %d/%d files, %.1f/%.1f GiB, %.0f s", self.done,
+                        len(self.files), self.done_bytes / 2**30, self.total / 2**30, now - self.t0)
+
+
 def _hf_weights(source: ModelSource, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, tensor) pairs. With `lazy`, safetensors entries come as lazy
     slices (`safe_open(...).get_slice`): each layer reads only the block its rank keeps
     (sharding.read_block), so under tensor parallelism no rank reads a whole sharded
     tensor. A slice is only valid until the next pair is drawn (its file may close).
-    .bin/.pt files are memory-mapped, which defers the reads in the same way."""
+    .bin/.pt files are memory-mapped, which defers the reads in the same way. Progress is
+    logged per file (LoadProgress)."""
     if source.load_format == "safetensors":
         from safetensors import safe_open
 
-        for f in sorted(glob.glob(os.path.join(source.path, "*.safetensors"))):
+        files = sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
+        progress = LoadProgress(files)
+        for f in files:
             with safe_open(f, framework="pt") as st:
                 for name in st.keys():
                     yield name, (st.get_slice(name) if lazy else st.get_tensor(name))
+            progress.file_done()
     else:
         files = sorted(glob.glob(os.path.join(source.path, "*.bin")) + glob.glob(os.path.join(source.path, "*.pt")))
+        progress = LoadProgress(files)
         for f in files:
             state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             yield from state.items()
+            progress.file_done()
 
 
 def _dummy_weights(model: torch.nn.Module, seed: int) -> None:
