@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .dashboard import DashboardSampler, dashboard_html
+from .monitoring import vllm_registry
 
 if TYPE_CHECKING:
     from pagedllm.engine.async_engine import AsyncLLM
@@ -58,14 +59,19 @@ async def sampling(sampler: DashboardSampler) -> AsyncIterator[None]:
             await task
 
 
-def add_metrics_routes(app: FastAPI, engine: AsyncLLM, sampler: DashboardSampler) -> None:
-    """GET /metrics, /dashboard and /dashboard/data on `app`."""
+def add_metrics_routes(app: FastAPI, engine: AsyncLLM, sampler: DashboardSampler,
+                       vllm_names: bool = False) -> None:
+    """GET /metrics, /dashboard and /dashboard/data on `app`. `vllm_names`: /metrics
+    repeats the numbers under vLLM's names too (`--vllm-metric-names`)."""
     page = dashboard_html()  # read once: a missing file fails at startup, not per request
+    registries = [engine.metrics.registry]
+    if vllm_names:
+        registries.append(vllm_registry(engine.metrics.registry))
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def metrics() -> Response:
         # Rendering reads the counters under their locks; it never waits on the engine loop.
-        body = generate_latest(engine.metrics.registry)
+        body = b"".join(generate_latest(r) for r in registries)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(DASHBOARD_PATH, include_in_schema=False)
