@@ -8,6 +8,7 @@ one real server (SmolLM2, a subprocess) shows them together under traffic.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -26,7 +27,13 @@ from pagedllm.entrypoints.openai.cli_args import (
     make_arg_parser,
     monitoring_options,
 )
-from pagedllm.entrypoints.openai.monitoring import VLLM_NAMES, MonitoringOptions, StatsLogger
+from pagedllm.entrypoints.openai.monitoring import (
+    VLLM_NAMES,
+    MonitoringOptions,
+    StatsLogger,
+    logged_stream,
+)
+from pagedllm.outputs import CompletionOutput, RequestOutput
 
 API_KEY = "logging-key"
 STATS = "Avg prompt throughput"
@@ -126,6 +133,35 @@ def test_rejections_are_logged_with_their_reason(caplog):
     assert unauthorized == ("GET /v1/models -> 401: Invalid or missing API key: send "
                             "'Authorization: Bearer <key>'.")
     assert all(r.levelno == logging.INFO for r in records)  # a client's mistake
+
+
+# ---------------------------------------------------------------------- --log-requests
+def _output(tokens: int, reason: str | None) -> RequestOutput:
+    choice = CompletionOutput(index=0, text="x" * tokens, token_ids=list(range(tokens)),
+                              cumulative_logprob=None, logprobs=None, finish_reason=reason)
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], outputs=[choice],
+                         finished=reason is not None)
+
+
+def test_a_logged_stream_says_how_it_ended(caplog):
+    caplog.set_level(logging.INFO, logger="pagedllm.server.requests")
+
+    async def engine_stream():
+        for n in (1, 2, 3):
+            yield 0, _output(n, "stop" if n == 3 else None)
+
+    async def consume(limit: int) -> None:
+        stream = logged_stream(engine_stream(), "req-1", time.monotonic())
+        async for i, _ in stream:
+            if i + 1 >= limit:
+                break
+        await stream.aclose()
+
+    asyncio.run(consume(limit=10))
+    assert re.search(r"request req-1 finished: finish_reason=stop, completion_tokens=3, "
+                     r"latency=\d+\.\d{3}s$", caplog.records[-1].getMessage())
+    asyncio.run(consume(limit=1))  # the client left after the first chunk
+    assert "finish_reason=abort, completion_tokens=1," in caplog.records[-1].getMessage()
 
 
 # ---------------------------------------------------------------------- vLLM's names

@@ -126,7 +126,8 @@ def sampling_summary(p: SamplingParams) -> str:
 
 def log_accepted(request_id: str, endpoint: str, prompt_tokens: list[int],
                  params: SamplingParams) -> None:
-    """`--log-requests`: the request has passed every check and reached the engine."""
+    """`--log-requests`: the request has passed the server's checks and goes to the engine
+    (which may still refuse it: then its finished line says error)."""
     requests_logger.info("request %s accepted: %s, prompt_tokens=%d, %s", request_id, endpoint,
                          sum(prompt_tokens), sampling_summary(params))
 
@@ -149,9 +150,14 @@ async def logged_stream(stream: AsyncIterator[tuple[int, RequestOutput]], reques
         choices = [c for out in latest.values() for c in out.outputs]
         reasons = dict.fromkeys(c.finish_reason or "abort" for c in choices)
         reason = failed and f"error ({failed})" or ",".join(reasons) or "abort"
-        requests_logger.info("request %s finished: finish_reason=%s, completion_tokens=%d, "
-                             "latency=%.3fs", request_id, reason,
-                             sum(len(c.token_ids) for c in choices), time.monotonic() - started)
+        log_finished(request_id, reason, sum(len(c.token_ids) for c in choices), started)
+
+
+def log_finished(request_id: str, reason: str, completion_tokens: int, started: float) -> None:
+    """`--log-requests`: the request's last line, whichever way it ended."""
+    requests_logger.info("request %s finished: finish_reason=%s, completion_tokens=%d, "
+                         "latency=%.3fs", request_id, reason, completion_tokens,
+                         time.monotonic() - started)
 
 
 # ---------------------------------------------------------------------- vLLM's names
