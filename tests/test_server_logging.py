@@ -55,6 +55,7 @@ def test_stats_line_reports_the_interval_and_is_quiet_when_idle():
     engine = _StandInEngine()
     now = [100.0]
     stats = StatsLogger(engine, 0.5, clock=lambda: now[0])
+    assert stats.tick() is None  # the starting totals
     now[0] += 0.5
     assert stats.tick() is None  # nothing ran: no line
     m = engine.metrics

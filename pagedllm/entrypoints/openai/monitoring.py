@@ -68,20 +68,24 @@ class StatsLogger:
         self.engine = engine
         self.interval = interval
         self.clock = clock
-        self._labels = {"model_name": engine.metrics.model_name}
-        self._last = self._totals()
-        self._last_time = clock()
+        self._last: tuple[float, ...] | None = None  # the totals at the last tick
+        self._last_time = 0.0
 
-    def _totals(self) -> tuple[float, float, float, float]:
+    def _totals(self) -> tuple[float, ...]:
         """Prompt tokens, generated tokens, prefix-cache queries and hits so far."""
-        registry = self.engine.metrics.registry
-        return tuple(registry.get_sample_value(f"pagedllm:{name}_total", self._labels) or 0.0
+        metrics = self.engine.metrics
+        labels = {"model_name": metrics.model_name}
+        return tuple(metrics.registry.get_sample_value(f"pagedllm:{name}_total", labels) or 0.0
                      for name in ("prompt_tokens", "generation_tokens", "prefix_cache_queries",
                                   "prefix_cache_hits"))
 
     def tick(self) -> str | None:
-        """The line for the interval just ended, or None if the engine was idle."""
+        """The line for the interval just ended, or None if the engine was idle (or this is
+        the first tick, which only takes the starting totals)."""
         now, totals = self.clock(), self._totals()
+        if self._last is None:
+            self._last, self._last_time = totals, now
+            return None
         elapsed = max(now - self._last_time, 1e-9)
         prompt, generated, queries, hits = (a - b for a, b in zip(totals, self._last, strict=True))
         self._last, self._last_time = totals, now
@@ -98,6 +102,7 @@ class StatsLogger:
                 f"Prefix cache hit rate: {hit_rate:.1f}%")
 
     async def run(self) -> None:
+        self.tick()  # the starting totals
         while True:
             await asyncio.sleep(self.interval)
             line = self.tick()
