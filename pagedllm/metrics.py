@@ -84,7 +84,7 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
-        self._model = model_name
+        self._model = self.model_name = model_name
         self.time_to_first_token = hist("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
         self.inter_token_latency = hist("inter_token_latency_seconds", "Time between tokens of a sequence.", _ITL_BUCKETS)
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)

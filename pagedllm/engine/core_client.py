@@ -41,6 +41,7 @@ from pagedllm.engine.messages import (
     EngineCoreOutputs,
     Shutdown,
 )
+from pagedllm.log_format import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def core_process_main(config: EngineConfig, in_addr: str, out_addr: str, parent_
     # process group, and the server drains before it stops the core.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level)  # the server's format: one kind of line in its log
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)

@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.log_format import configure_logging
 
 from .cli_args import (
     ChatOptions,
@@ -44,6 +45,7 @@ from .cli_args import (
     ignored_vllm_flags,
     load_chat_template,
     make_arg_parser,
+    monitoring_options,
     parse_args,
     resolve_api_key,
     server_limits,
@@ -56,6 +58,7 @@ from .metrics_routes import (
     engine_sampler,
     sampling,
 )
+from .monitoring import MonitoringOptions, StatsLogger, log_rejection
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -101,6 +104,7 @@ class APIKeyMiddleware:
             if scheme.lower() != "bearer" or not ok:
                 err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.",
                                401, code="invalid_api_key")
+                log_rejection(scope.get("method", ""), scope["path"], err)
                 response = JSONResponse(err.body(), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
@@ -134,6 +138,7 @@ class InternalErrorMiddleware:
                 raise
             logger.exception("request failed")
             err = APIError(f"internal server error ({type(e).__name__}); see the server log", 500)
+            log_rejection(scope["method"], scope["path"], err)
             await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
@@ -214,21 +219,26 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
               chat_template: str | None = None, metrics_require_api_key: bool = False,
               health_require_api_key: bool = False, limits: ServerLimits | None = None,
               allowed_origins: list[str] | None = None,
-              options: ChatOptions | None = None) -> FastAPI:
+              options: ChatOptions | None = None,
+              monitoring: MonitoringOptions | None = None) -> FastAPI:
     """The FastAPI app over a running engine. `chat_template` is the template text;
-    `options` the tool and reasoning parsers of chat answers. While
-    the app runs, a background task samples the engine once a second for /dashboard.
+    `options` the tool and reasoning parsers of chat answers; `monitoring` the stats line,
+    request logging and vLLM metric names. While the app runs, a background task samples
+    the engine once a second for /dashboard, and another writes the stats line.
     `app.state.drain` is the drain the server starts on SIGTERM."""
     limits = limits or ServerLimits()
+    monitoring = monitoring or MonitoringOptions()
     sampler = engine_sampler(engine, config.model_name)
     app = FastAPI(title="pagedllm", version=__version__,
-                  lifespan=lambda _app: sampling(sampler))
+                  lifespan=lambda _app: _background(sampler, engine, monitoring))
     admission = Admission(limits.max_waiting_requests)
     base = OpenAIServing(engine, config, chat_template, admission)
     completions = OpenAIServingCompletion(engine, config, chat_template, admission,
                                           limits.max_response_logprobs)
     chat = OpenAIServingChat(engine, config, chat_template, admission, limits.max_response_logprobs,
                              options=options)
+    for serving in (completions, chat):
+        serving.log_requests = monitoring.log_requests
     app.state.admission = admission
     app.state.drain = drain = Drain(limits.shutdown_timeout)
     # Added innermost first: CORS (answering preflights, which carry no key) runs first,
@@ -245,26 +255,31 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
                            allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    add_metrics_routes(app, engine, sampler)
+    add_metrics_routes(app, engine, sampler, vllm_names=monitoring.vllm_metric_names)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        log_rejection(request.method, request.url.path, exc)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = validation_error(exc)
+        log_rejection(request.method, request.url.path, err)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(str(exc.detail), exc.status_code, code=getattr(exc, "code", None))
+        log_rejection(request.method, request.url.path, err)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         if not engine.is_healthy:
-            return JSONResponse(APIError("the engine has stopped", 503).body(), status_code=503)
+            err = APIError("the engine has stopped", 503)
+            log_rejection(request.method, request.url.path, err)
+            return JSONResponse(err.body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -311,6 +326,21 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     return app
 
 
+@contextlib.asynccontextmanager
+async def _background(sampler, engine: AsyncLLM, monitoring: MonitoringOptions
+                      ) -> AsyncIterator[None]:
+    """The app's lifespan: the dashboard's sampler, and the stats line unless it is off.
+    Both are tasks on the server's event loop, never work in the engine's step loop."""
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(sampling(sampler))
+        # (Stand-in engines of HTTP-layer tests keep no metrics: nothing to report.)
+        if monitoring.stats_interval and getattr(engine, "metrics", None) is not None:
+            stats = StatsLogger(engine, monitoring.stats_interval)
+            task = asyncio.create_task(stats.run(), name="pagedllm-stats-logger")
+            stack.callback(task.cancel)
+        yield
+
+
 def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], host: str,
                    port: int, api_key: bool, metrics_key: bool = False) -> str:
     """What an operator tunes by: the model, the KV pool and the token budget."""
@@ -353,8 +383,8 @@ def run_server(args: argparse.Namespace) -> None:
     """Bind the port, load the model, print what was built, and serve until SIGTERM or
     Ctrl-C, which drain running requests for up to --shutdown-timeout seconds before the
     exit (0)."""
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One format for pagedllm, uvicorn (given the same config below) and the core process.
+    log_config = configure_logging(args.log_level)
     ignored = ignored_vllm_flags(args)
     if ignored:
         logger.warning("accepted for vLLM compatibility, no effect here: %s", ", ".join(ignored))
@@ -363,6 +393,7 @@ def run_server(args: argparse.Namespace) -> None:
         limits = server_limits(args)
         chat_template = load_chat_template(args.chat_template)
         options = chat_options(args)
+        monitoring = monitoring_options(args)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"pagedllm: cannot start: {e}") from None
     sock = listen_socket(args.host, args.port)
@@ -376,13 +407,15 @@ def run_server(args: argparse.Namespace) -> None:
         app = build_app(engine, config, api_key=api_key, chat_template=chat_template,
                         metrics_require_api_key=args.metrics_require_api_key,
                         health_require_api_key=args.health_require_api_key, limits=limits,
-                        allowed_origins=args.allowed_origins, options=options)
+                        allowed_origins=args.allowed_origins, options=options,
+                        monitoring=monitoring)
         names = OpenAIServing(engine, config).served_names
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
                              args.metrics_require_api_key), flush=True)
         # After the drain, handlers ended at its deadline need a moment to send their error.
         server_config = uvicorn.Config(app, host=args.host, port=args.port,
-                                       log_level=args.log_level, timeout_graceful_shutdown=5)
+                                       log_level=args.log_level, log_config=log_config,
+                                       timeout_graceful_shutdown=5)
         server = DrainingServer(server_config, app.state.drain, on_deadline=engine.stop)
         engine.add_dead_callback(server.engine_died)
         server.run(sockets=[sock])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 from pagedllm.config import EngineConfig, parse_bytes
 
+from .monitoring import DEFAULT_STATS_INTERVAL, MonitoringOptions
 from .reasoning_parsers import REASONING_PARSERS
 from .tool_parsers import TOOL_PARSERS
 
@@ -96,8 +97,7 @@ def _default(name: str) -> str:
 
 IGNORED_VLLM_FLAGS = {
     "--trust-remote-code": "remote-code checkpoints are read as data; no checkpoint code is run",
-    "--disable-log-requests": "requests are not logged one by one anyway",
-    "--disable-log-stats": "no periodic statistics lines are logged",
+    "--disable-log-requests": "requests are logged one by one only with --log-requests",
 }
 
 
@@ -205,6 +205,22 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="(default: info)")
 
+    o = p.add_argument_group("logging and monitoring")
+    o.add_argument("--stats-interval", type=_seconds, default=DEFAULT_STATS_INTERVAL,
+                   metavar="SECONDS", help="while requests run, log throughput, running and "
+                   "waiting requests, KV cache usage and prefix-cache hit rate this often "
+                   f"(INFO); 0: never (default: {DEFAULT_STATS_INTERVAL:g})")
+    o.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line (as in vLLM)")
+    o.add_argument("--log-requests", action="store_true",
+                   help="log one INFO line when a request is accepted (id, endpoint, prompt "
+                   "tokens, sampling settings) and one when it ends (finish reason, tokens, "
+                   "latency); never prompts or outputs")
+    o.add_argument("--vllm-metric-names", action="store_true",
+                   help="/metrics also exports every metric under vLLM's name (vllm:..., "
+                   "label model_name), so dashboards and autoscalers built for vLLM work "
+                   "unchanged")
+
     t = p.add_argument_group("tools and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide to call tools (tool_choice "auto", the default '
@@ -267,6 +283,13 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
                         max_request_body_bytes=args.max_request_body_bytes,
                         max_response_logprobs=args.max_response_logprobs,
                         shutdown_timeout=args.shutdown_timeout)
+
+
+def monitoring_options(args: argparse.Namespace) -> MonitoringOptions:
+    off = args.disable_log_stats or not args.stats_interval
+    return MonitoringOptions(stats_interval=None if off else args.stats_interval,
+                             log_requests=args.log_requests,
+                             vllm_metric_names=args.vllm_metric_names)
 
 
 def chat_options(args: argparse.Namespace) -> ChatOptions:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .monitoring import log_rejection
 from .serving_engine import SSE_DONE, APIError, sse
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class BodyLimitMiddleware:
                 while (await receive()).get("more_body", False):
                     pass
             err = BodyTooLarge(self.max_bytes)
-            body = APIError(err.detail, 413, code=err.code).body()
+            api_err = APIError(err.detail, 413, code=err.code)
+            log_rejection(scope["method"], scope["path"], api_err)
+            body = api_err.body()
             await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
                 scope, receive, send)
             return

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .dashboard import DashboardSampler, dashboard_html
+from .monitoring import vllm_registry
 
 if TYPE_CHECKING:
     from pagedllm.engine.async_engine import AsyncLLM
@@ -58,14 +59,22 @@ async def sampling(sampler: DashboardSampler) -> AsyncIterator[None]:
             await task
 
 
-def add_metrics_routes(app: FastAPI, engine: AsyncLLM, sampler: DashboardSampler) -> None:
-    """GET /metrics, /dashboard and /dashboard/data on `app`."""
+def add_metrics_routes(app: FastAPI, engine: AsyncLLM, sampler: DashboardSampler,
+                       vllm_names: bool = False) -> None:
+    """GET /metrics, /dashboard and /dashboard/data on `app`. `vllm_names`: /metrics
+    repeats the numbers under vLLM's names too (`--vllm-metric-names`)."""
     page = dashboard_html()  # read once: a missing file fails at startup, not per request
+    vllm: list[CollectorRegistry] = []  # made at the first scrape, from the engine's registry
 
     @app.get(METRICS_PATH, include_in_schema=False)
     async def metrics() -> Response:
         # Rendering reads the counters under their locks; it never waits on the engine loop.
-        body = generate_latest(engine.metrics.registry)
+        registry = engine.metrics.registry
+        body = generate_latest(registry)
+        if vllm_names:
+            if not vllm:
+                vllm.append(vllm_registry(registry))
+            body += generate_latest(vllm[0])
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get(DASHBOARD_PATH, include_in_schema=False)

@@ -45,6 +45,8 @@ from .tools import plan_tools
 
 
 class OpenAIServingChat(OpenAIServing):
+    endpoint = "/v1/chat/completions"
+
     def __init__(self, *args, options: ChatOptions | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.options = options or ChatOptions()

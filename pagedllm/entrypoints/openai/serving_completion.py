@@ -31,6 +31,8 @@ from .serving_engine import (
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    endpoint = "/v1/completions"
+
     async def create(self, req: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         """The response, or for stream=true the server-sent events of one."""
         self.check_request(req)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from pagedllm.engine.async_engine import (
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
+from .monitoring import log_accepted, log_finished, logged_stream
 from .protocol import (
     MAX_LIBRARY_DEPTH,
     MAX_LIBRARY_ITEMS,
@@ -188,6 +190,11 @@ class Admission:
 
 
 class OpenAIServing:
+    # The route these requests came by, for --log-requests lines.
+    endpoint = "engine"
+    # --log-requests: one line when a request is accepted, one when it ends.
+    log_requests = False
+
     def __init__(self, engine: AsyncLLM, config: EngineConfig, chat_template: str | None = None,
                  admission: Admission | None = None, max_response_logprobs: int = 0):
         self.engine = engine
@@ -321,21 +328,35 @@ class OpenAIServing:
         invalid request fails here, before any response has begun; then stream
         (prompt index, cumulative output) pairs. Closing the stream aborts what is left."""
         k = len(prompts) * params.n
+        started = time.monotonic()
         self.admission.enter(k)
+        logging_on = self.log_requests
+        if logging_on:
+            log_accepted(request_id, self.endpoint, [len(ids) for _, ids in prompts], params)
         try:
             gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
                                          text, ids, params)
                     for i, (text, ids) in enumerate(prompts)]
             firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        except BaseException:  # cancelled (client gone, deadline) before its first token
+            if logging_on:
+                log_finished(request_id, "abort", 0, started)
+            raise
         finally:
             self.admission.leave(k)
         errors = [e for e in firsts if isinstance(e, BaseException)]
         if errors:
             await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
-            raise as_api_error(errors[0], request)
+            error = as_api_error(errors[0], request)
+            if logging_on:
+                status = getattr(error, "status", None)
+                log_finished(request_id, f"error ({status or type(error).__name__})", 0, started)
+            raise error
         if len(gens) == 1:
-            return _single(gens[0], firsts[0], request)
-        return _merge(gens, firsts, request)
+            stream = _single(gens[0], firsts[0], request)
+        else:
+            stream = _merge(gens, firsts, request)
+        return logged_stream(stream, request_id, started) if logging_on else stream
 
 
 def _template_message(i: int, m: ChatMessage) -> dict:

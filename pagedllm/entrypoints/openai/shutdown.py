@@ -20,6 +20,7 @@ import uvicorn
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .monitoring import log_rejection
 from .serving_engine import APIError
 
 logger = logging.getLogger("pagedllm.server")
@@ -63,6 +64,7 @@ class DrainMiddleware:
         if self.drain.draining and scope["path"] not in self.open_paths:
             err = APIError("the server is shutting down; retry on another replica", 503,
                            code="shutting_down")
+            log_rejection(scope["method"], scope["path"], err)
             await JSONResponse(err.body(), status_code=503,
                                headers={"Connection": "close", "Retry-After": "1"})(
                 scope, receive, send)
