@@ -26,7 +26,8 @@ def load_frontend(config: EngineConfig, core_info, hf_config) -> tuple:
     """(tokenizer, Processor) of a front end, for a core that reported `core_info`."""
     source = resolve_source(config.model, config.load_format)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source, config.tokenizer)
-    processor = Processor(tokenizer, core_info, eos_token_ids(hf_config, tokenizer, source.path))
+    processor = Processor(tokenizer, core_info, eos_token_ids(hf_config, tokenizer, source.path),
+                          config.max_logprobs)
     return tokenizer, processor
 
 
