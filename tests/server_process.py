@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -50,13 +51,14 @@ def launch_server(log_dir: Path, flags: list[str], api_key: str | None = None,
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"
+    verify = ssl.create_default_context(cafile=https_ca) if https_ca else True
     deadline = time.monotonic() + 240
     try:
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             try:
-                if httpx.get(f"{url}/health", timeout=2, verify=https_ca or True).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
