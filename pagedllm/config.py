@@ -109,6 +109,12 @@ class EngineConfig:
     # the step itself, so there is nothing to overlap).
     async_scheduling: bool | None = None
     hf_overrides: dict = field(default_factory=dict)
+    # The most logprobs (top alternatives) one request may ask for, per token or per prompt
+    # position, as vLLM's max_logprobs; -1: up to the vocabulary.
+    max_logprobs: int = 20
+    # Default sampling settings: "auto" takes them from the checkpoint's
+    # generation_config.json, "vllm" ignores it, anything else is a folder holding one.
+    generation_config: str = "auto"
     # Set by resolve(): every default above has been filled in from the model and device.
     resolved: bool = False
 
@@ -161,6 +167,12 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError("distributed_executor_backend must be mp|ray or None, got "
                              f"{self.distributed_executor_backend!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), "
+                             f"got {self.max_logprobs!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
+                             f"{self.generation_config!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
 
@@ -195,10 +207,12 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        """The name clients address the model by: a hub id as given (as vLLM lists it),
-        else a path's last component."""
+        """The name clients address the model by: the first served name, else a hub id as
+        given (as vLLM lists it), else the path's last component, a .gguf file's without the
+        suffix (`SmolLM2-135M-Instruct.Q4_1`, the id the README's examples send; the file
+        name stays an alias)."""
         if self.served_model_name:
             return self.served_model_name[0]
         if looks_like_hub_id(self.model):
             return self.model
-        return self.model.rstrip("/").rsplit("/", 1)[-1]
+        return self.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -32,26 +33,32 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def launch_server(log_dir: Path, flags: list[str], api_key: str | None = None,
-                  graceful_stop: bool = True) -> Iterator[ServerProcess]:
+                  graceful_stop: bool = True, https_ca: str | None = None,
+                  cmd: list[str] | None = None) -> Iterator[ServerProcess]:
     """`graceful_stop=False` kills at the end instead of draining (for servers given a long
-    --shutdown-timeout)."""
+    --shutdown-timeout). `https_ca`: the server serves HTTPS (its flags name the key and
+    certificate) and this certificate file verifies it. `cmd`: the command to run instead
+    of the module's, given `--port PORT` appended (the README's own command)."""
     port = free_port()
     log = log_dir / "server.log"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    if cmd is None:
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server",
+               "--host", "127.0.0.1", "--log-level", "warning", *flags]
+    cmd = [*cmd, "--port", str(port)]
     env = dict(os.environ)
     if api_key is not None:
         env["PAGEDLLM_API_KEY"] = api_key
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"
+    verify = ssl.create_default_context(cafile=https_ca) if https_ca else True
     deadline = time.monotonic() + 240
     try:
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

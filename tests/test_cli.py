@@ -4,6 +4,7 @@ names, the seed article's aliases, and how they become one EngineConfig. No mode
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.generation_config import default_sampling_overrides, describe_overrides
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai import api_server
 from pagedllm.entrypoints.openai.cli_args import (
@@ -19,7 +21,10 @@ from pagedllm.entrypoints.openai.cli_args import (
     load_chat_template,
     make_arg_parser,
     resolve_api_key,
+    root_path,
+    ssl_files,
 )
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.serving_engine import model_aliases
 
 
@@ -263,3 +268,109 @@ def test_model_and_key_from_the_environment(monkeypatch):
     assert resolve_api_key(serve_args()) == "from-vllm"
     monkeypatch.setenv("PAGEDLLM_API_KEY", "ours")
     assert resolve_api_key(serve_args()) == "ours"
+
+
+# ---------------------------------------------------------------- issue 30: vLLM's flags
+def test_generation_config_and_max_logprobs_flags_reach_the_engine_config(tmp_path):
+    args = serve_args("m", "--generation-config", "vllm", "--max-logprobs", "5")
+    config = engine_config(args)
+    assert (config.generation_config, config.max_logprobs) == ("vllm", 5)
+    default = engine_config(serve_args("m"))
+    assert (default.generation_config, default.max_logprobs) == ("auto", 20)  # vLLM's
+    assert engine_config(serve_args("m", "--max-logprobs", "-1")).max_logprobs == -1
+
+
+@pytest.mark.parametrize("argv", [["--max-logprobs", "-2"], ["--max-logprobs", "x"]])
+def test_a_bad_max_logprobs_is_one_clean_line(argv):
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--max-logprobs" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _write_generation_config(folder, **values) -> str:
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(values, f)
+    return str(folder)
+
+
+def test_generation_config_auto_reads_the_checkpoint_vllm_ignores_it(tmp_path):
+    model = _write_generation_config(tmp_path / "ckpt", temperature=0.6, top_p=0.9, top_k=20,
+                                     min_p=0.05, repetition_penalty=1.1, max_new_tokens=64,
+                                     do_sample=True, eos_token_id=2)
+    want = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+            "repetition_penalty": 1.1, "max_tokens": 64}
+    assert default_sampling_overrides("auto", model) == want
+    assert default_sampling_overrides("vllm", model) == {}
+    other = _write_generation_config(tmp_path / "other", temperature=0.2)
+    assert default_sampling_overrides(other, model) == {"temperature": 0.2}  # a folder wins
+    # A .gguf file, or a checkpoint without the file: pagedllm's own defaults.
+    assert default_sampling_overrides("auto", str(tmp_path / "m.gguf")) == {}
+    os.makedirs(tmp_path / "bare")
+    assert default_sampling_overrides("auto", str(tmp_path / "bare")) == {}
+    with pytest.raises(ValueError, match="no generation_config.json in"):
+        default_sampling_overrides(str(tmp_path / "bare"), model)
+    _write_generation_config(tmp_path / "bad", top_k=0.5)
+    with pytest.raises(ValueError, match="top_k .* must be an integer"):
+        default_sampling_overrides(str(tmp_path / "bad"), model)
+    line = describe_overrides(want, "auto")
+    assert "temperature=0.6" in line and "max_tokens=64" in line
+    assert "pagedllm's own" in describe_overrides({}, "vllm")
+
+
+def test_a_wrong_generation_config_folder_fails_before_the_model_loads(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
+                           str(tmp_path / "no-model"), "--generation-config",
+                           str(tmp_path / "nowhere"), "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("pagedllm: cannot start: "
+                                                           "generation_config: no ")
+    assert "Traceback" not in proc.stderr
+
+
+def test_request_fields_win_over_the_servers_defaults():
+    """Only what the client left out (or sent as null) takes the server's default."""
+    defaults = {"temperature": 0.25, "top_p": 0.5, "top_k": 7, "min_p": 0.1,
+                "repetition_penalty": 1.2}
+    unset = CompletionRequest(prompt="x").to_sampling_params(16, None, defaults=defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p,
+            unset.repetition_penalty) == (0.25, 0.5, 7, 0.1, 1.2)
+    sent = CompletionRequest(prompt="x", temperature=0, top_p=1.0, top_k=0, min_p=0.0,
+                             repetition_penalty=1.0).to_sampling_params(16, None,
+                                                                        defaults=defaults)
+    assert (sent.temperature, sent.top_p, sent.top_k, sent.min_p,
+            sent.repetition_penalty) == (0, 1.0, 0, 0.0, 1.0)
+    nulls = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                  temperature=None).to_sampling_params(None, None,
+                                                                       defaults=defaults)
+    assert nulls.temperature == 0.25
+    plain = CompletionRequest(prompt="x").to_sampling_params(16, None)
+    assert (plain.temperature, plain.top_k) == (1.0, 0)
+
+
+def test_root_path_and_ssl_flags(tmp_path):
+    args = serve_args("m", "--root-path", "/llm/", "--ssl-keyfile", str(tmp_path / "k.pem"))
+    assert root_path(args) == "/llm"
+    assert root_path(serve_args("m")) == ""
+    with pytest.raises(ValueError, match="must start with '/'"):
+        root_path(serve_args("m", "--root-path", "llm"))
+    with pytest.raises(ValueError, match="both --ssl-keyfile and --ssl-certfile"):
+        ssl_files(args)
+    (tmp_path / "c.pem").write_text("x")
+    with pytest.raises(ValueError, match="--ssl-keyfile .*: no such file"):
+        ssl_files(serve_args("m", "--ssl-keyfile", str(tmp_path / "k.pem"),
+                             "--ssl-certfile", str(tmp_path / "c.pem")))
+    (tmp_path / "k.pem").write_text("x")
+    assert ssl_files(serve_args("m", "--ssl-keyfile", str(tmp_path / "k.pem"),
+                                "--ssl-certfile", str(tmp_path / "c.pem"))) == (
+        str(tmp_path / "k.pem"), str(tmp_path / "c.pem"))
+    assert ssl_files(serve_args("m")) == (None, None)
+
+
+def test_a_gguf_is_served_without_its_suffix():
+    gguf = EngineConfig(model="/m/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert gguf.model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert {"SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct.Q4_1.gguf"} <= model_aliases(gguf)
+    assert EngineConfig(model="/models/dir.gguf.d").model_name == "dir.gguf.d"

@@ -27,7 +27,8 @@ def load_frontend(config: EngineConfig, core_info, hf_config) -> tuple:
     source = resolve_source(config.model, config.load_format, config.revision,
                             config.download_dir)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source, config.tokenizer)
-    processor = Processor(tokenizer, core_info, eos_token_ids(hf_config, tokenizer, source.path))
+    processor = Processor(tokenizer, core_info, eos_token_ids(hf_config, tokenizer, source.path),
+                          config.max_logprobs)
     return tokenizer, processor
 
 

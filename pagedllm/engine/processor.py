@@ -15,7 +15,7 @@ from pagedllm.engine.messages import CoreInfo, EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import validate_structured_outputs
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default cap (EngineConfig.max_logprobs, --max-logprobs)
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -42,10 +42,13 @@ def eos_token_ids(hf_config, tokenizer, model_path: str) -> list[int]:
 
 
 class Processor:
-    def __init__(self, tokenizer, info: CoreInfo, eos_ids: list[int]):
+    def __init__(self, tokenizer, info: CoreInfo, eos_ids: list[int],
+                 max_logprobs: int = MAX_LOGPROBS):
         self.tokenizer = tokenizer
         self.info = info
         self.eos_ids = eos_ids
+        # -1: as many as the vocabulary has (every alternative of every token).
+        self.max_logprobs = info.vocab_size if max_logprobs == -1 else max_logprobs
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -61,10 +64,11 @@ class Processor:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if params.stop_token_ids and any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {params.logprobs}")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {params.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.max_logprobs} "
+                                 f"(max_logprobs, --max-logprobs), got {value}")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt must contain at least one token")

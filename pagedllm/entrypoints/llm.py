@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.generation_config import default_sampling_overrides
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -18,12 +19,24 @@ class LLM:
 
     Accepts every `EngineConfig` setting as a keyword, including the aliases
     `max_context_length`, `max_concurrent_requests` and `max_tokens_per_batch`.
+    `generation_config` ("auto", "vllm" or a folder) picks the default sampling settings
+    used when `generate` or `chat` get no SamplingParams (see get_default_sampling_params).
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        # Read before the weights load, so a wrong folder fails in a second, not minutes.
+        self._default_overrides = default_sampling_overrides(self.config.generation_config,
+                                                             self.config.model)
         self.engine = LLMEngine(self.config)
         self._counter = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over
+        SamplingParams' own, as vLLM's; plain SamplingParams() with generation_config="vllm"
+        or when the checkpoint has no such file. Used when no params are given."""
+        return SamplingParams(**self._default_overrides)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -75,10 +88,9 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _params_list(sp, n: int) -> list[SamplingParams]:
+    def _params_list(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(sp, SamplingParams):
             return [sp] * n
         sp = list(sp)

@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLM
+from pagedllm.engine.generation_config import default_sampling_overrides, describe_overrides
 from pagedllm.log_format import configure_logging
 
 from .cli_args import (
@@ -48,7 +49,9 @@ from .cli_args import (
     monitoring_options,
     parse_args,
     resolve_api_key,
+    root_path,
     server_limits,
+    ssl_files,
 )
 from .limits import BodyLimitMiddleware, timeout_error, with_deadline
 from .metrics_routes import (
@@ -72,7 +75,7 @@ from .protocol import (
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import Admission, APIError, OpenAIServing
-from .shutdown import Drain, DrainingServer, DrainMiddleware
+from .shutdown import Drain, DrainingServer, DrainMiddleware, route_path
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -96,7 +99,7 @@ class APIKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] in ("http", "websocket") and scope["path"] not in self.open_paths:
+        if scope["type"] in ("http", "websocket") and route_path(scope) not in self.open_paths:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             # Constant time, so the key cannot be guessed byte by byte from response times;
             # digests of equal length, so not even its length shows.
@@ -220,11 +223,14 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
               health_require_api_key: bool = False, limits: ServerLimits | None = None,
               allowed_origins: list[str] | None = None,
               options: ChatOptions | None = None,
-              monitoring: MonitoringOptions | None = None) -> FastAPI:
+              monitoring: MonitoringOptions | None = None,
+              sampling_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app over a running engine. `chat_template` is the template text;
     `options` the tool and reasoning parsers of chat answers; `monitoring` the stats line,
-    request logging and vLLM metric names. While the app runs, a background task samples
-    the engine once a second for /dashboard, and another writes the stats line.
+    request logging and vLLM metric names; `sampling_defaults` the default sampling
+    settings (None: read as config.generation_config says). While the app runs, a
+    background task samples the engine once a second for /dashboard, and another writes
+    the stats line.
     `app.state.drain` is the drain the server starts on SIGTERM."""
     limits = limits or ServerLimits()
     monitoring = monitoring or MonitoringOptions()
@@ -232,11 +238,14 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     app = FastAPI(title="pagedllm", version=__version__,
                   lifespan=lambda _app: _background(sampler, engine, monitoring))
     admission = Admission(limits.max_waiting_requests)
+    if sampling_defaults is None:
+        sampling_defaults = default_sampling_overrides(config.generation_config, config.model)
     base = OpenAIServing(engine, config, chat_template, admission)
     completions = OpenAIServingCompletion(engine, config, chat_template, admission,
-                                          limits.max_response_logprobs)
+                                          limits.max_response_logprobs,
+                                          sampling_defaults=sampling_defaults)
     chat = OpenAIServingChat(engine, config, chat_template, admission, limits.max_response_logprobs,
-                             options=options)
+                             sampling_defaults=sampling_defaults, options=options)
     for serving in (completions, chat):
         serving.log_requests = monitoring.log_requests
     app.state.admission = admission
@@ -342,10 +351,12 @@ async def _background(sampler, engine: AsyncLLM, monitoring: MonitoringOptions
 
 
 def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], host: str,
-                   port: int, api_key: bool, metrics_key: bool = False) -> str:
+                   port: int, api_key: bool, metrics_key: bool = False, scheme: str = "http",
+                   prefix: str = "") -> str:
     """What an operator tunes by: the model, the KV pool and the token budget."""
     d = engine.describe()
     shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
+    base = f"{scheme}://{shown_host}:{port}{prefix}"
     return "\n".join([
         f"pagedllm {__version__}: serving {', '.join(names)}",
         f"  model        {d.get('model')}",
@@ -357,10 +368,9 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
         f"  batching     max_num_batched_tokens {d.get('max_num_batched_tokens')} per step, "
         f"max_num_seqs {d.get('max_num_seqs')}, prefix caching "
         f"{'on' if d.get('prefix_caching') else 'off'}",
-        f"  API          http://{shown_host}:{port}/v1 (listening on {host}:{port}"
+        f"  API          {base}/v1 (listening on {host}:{port}"
         f"{', API key required' if api_key else ''})",
-        f"  monitoring   http://{shown_host}:{port}/metrics (Prometheus), "
-        f"http://{shown_host}:{port}/dashboard"
+        f"  monitoring   {base}/metrics (Prometheus), {base}/dashboard"
         f"{' (API key required)' if api_key and metrics_key else ''}",
     ])
 
@@ -394,6 +404,10 @@ def run_server(args: argparse.Namespace) -> None:
         chat_template = load_chat_template(args.chat_template)
         options = chat_options(args)
         monitoring = monitoring_options(args)
+        ssl_keyfile, ssl_certfile = ssl_files(args)
+        prefix = root_path(args)
+        # Read before the model loads: a wrong --generation-config folder fails at once.
+        sampling_defaults = default_sampling_overrides(config.generation_config, config.model)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"pagedllm: cannot start: {e}") from None
     sock = listen_socket(args.host, args.port)
@@ -408,14 +422,17 @@ def run_server(args: argparse.Namespace) -> None:
                         metrics_require_api_key=args.metrics_require_api_key,
                         health_require_api_key=args.health_require_api_key, limits=limits,
                         allowed_origins=args.allowed_origins, options=options,
-                        monitoring=monitoring)
+                        monitoring=monitoring, sampling_defaults=sampling_defaults)
         names = OpenAIServing(engine, config).served_names
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
-                             args.metrics_require_api_key), flush=True)
+                             args.metrics_require_api_key,
+                             "https" if ssl_certfile else "http", prefix), flush=True)
+        print(describe_overrides(sampling_defaults, config.generation_config), flush=True)
         # After the drain, handlers ended at its deadline need a moment to send their error.
         server_config = uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level=args.log_level, log_config=log_config,
-                                       timeout_graceful_shutdown=5)
+                                       timeout_graceful_shutdown=5, root_path=prefix,
+                                       ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
         server = DrainingServer(server_config, app.state.drain, on_deadline=engine.stop)
         engine.add_dead_callback(server.engine_died)
         server.run(sockets=[sock])

@@ -81,6 +81,16 @@ def _non_negative_int(value: str) -> int:
     return n
 
 
+def _logprobs_cap(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if n < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (no cap) or more, got {value}")
+    return n
+
+
 def _seconds(value: str) -> float:
     try:
         s = float(value)
@@ -156,6 +166,14 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     m.add_argument("--chat-template", help="chat template: a file path or a literal Jinja template "
                    "(default: the tokenizer's)")
     m.add_argument("--seed", type=int, help=_default("seed"))
+    m.add_argument("--generation-config", metavar="{auto,vllm,PATH}",
+                   help="default sampling settings for requests that do not set them: auto "
+                   "takes temperature, top_p, top_k, min_p, repetition_penalty and "
+                   "max_new_tokens from the checkpoint's generation_config.json, vllm ignores "
+                   "it, a folder path reads that folder's file (default: auto)")
+    m.add_argument("--max-logprobs", type=_logprobs_cap, metavar="N",
+                   help="the most logprobs, top_logprobs or prompt_logprobs one request may ask "
+                   f"for; -1: the vocabulary {_default('max_logprobs')}")
 
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", "--max-context-length", dest="max_model_len",
@@ -191,6 +209,13 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     s.add_argument("--port", type=_port, default=8000, help="(default: 8000)")
+    s.add_argument("--root-path", default="", metavar="PATH",
+                   help="the URL prefix a proxy serves this server under, e.g. /llm (FastAPI's "
+                   "root_path: links and the OpenAPI document name it; default: none)")
+    s.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key "
+                   "(PEM); needs --ssl-certfile")
+    s.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate "
+                   "(PEM); needs --ssl-keyfile")
     s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' "
                    f"(default: ${API_KEY_ENV}, else ${VLLM_API_KEY_ENV})")
     s.add_argument("--metrics-require-api-key", action="store_true",
@@ -272,7 +297,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
-             "device", "enforce_eager", "async_scheduling"]
+             "device", "enforce_eager", "async_scheduling", "max_logprobs", "generation_config"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
 
@@ -300,6 +325,26 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
     return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice,
                        tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser)
+
+
+def ssl_files(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(keyfile, certfile) for uvicorn, both or neither; ValueError naming what is wrong,
+    checked before the model loads."""
+    key, cert = args.ssl_keyfile, args.ssl_certfile
+    if bool(key) != bool(cert):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r}: no such file")
+    return key, cert
+
+
+def root_path(args: argparse.Namespace) -> str:
+    """--root-path as FastAPI takes it: '' or '/prefix' (no trailing slash)."""
+    value = (args.root_path or "").rstrip("/")
+    if value and not value.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+    return value
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

@@ -203,22 +203,27 @@ class SamplingRequest(OpenAIRequest):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None = None,
-                           structured_outputs: StructuredOutputsParams | None = None
-                           ) -> SamplingParams:
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Raises ValueError naming the field for an out-of-range value. The constraint
-        comes from structured_outputs.py, which reads this request's constraint fields."""
-        def pick(value, default):
-            return default if value is None else value
+        comes from structured_outputs.py, which reads this request's constraint fields.
+        `defaults` are the server's (from generation_config.json): they fill only the
+        sampling fields the client left out or sent as null, never one it set."""
+        defaults = defaults or {}
+
+        def pick(name: str, fallback: float) -> float:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
 
         return SamplingParams(
             n=self.n,
-            temperature=pick(self.temperature, 1.0),
-            top_p=pick(self.top_p, 1.0),
-            top_k=pick(self.top_k, 0),
-            min_p=pick(self.min_p, 0.0),
-            presence_penalty=pick(self.presence_penalty, 0.0),
-            frequency_penalty=pick(self.frequency_penalty, 0.0),
-            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -275,7 +280,8 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    # The cap is the server's --max-logprobs, checked by the endpoint (a 400 naming it).
+    logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -372,7 +378,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # cap: --max-logprobs
     tools: Annotated[list[ChatTool], Field(max_length=MAX_LIBRARY_ITEMS)] | None = None
     # None: "auto" with tools, "none" without (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

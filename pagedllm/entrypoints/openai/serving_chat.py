@@ -56,6 +56,7 @@ class OpenAIServingChat(OpenAIServing):
         """The response, or for stream=true the server-sent events of one."""
         self.check_request(req)
         self._check_unsupported(req)
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
         self.admission.check(req.n)
         plan = plan_tools(req, self.options)
         self.check_text_size(sum(len(m.content) if isinstance(m.content, str)
@@ -68,6 +69,8 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens  # None: the rest of the context
+        if max_tokens is None and not {"max_tokens", "max_completion_tokens"} & req.model_fields_set:
+            max_tokens = self.default_max_tokens(len(ids))  # generation_config.json's
         self.check_length(len(ids), max_tokens, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         self.check_response_logprobs([max_tokens or self.max_model_len - len(ids)], req.n,

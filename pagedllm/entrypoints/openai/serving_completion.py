@@ -42,10 +42,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("best_of must equal n: ranking samples is not supported", 400, "best_of")
         p = req.prompt
         self.admission.check((1 if isinstance(p, str) or (p and isinstance(p[0], int)) else len(p)) * req.n)
+        self.check_logprobs(req.logprobs, "logprobs")
         prompts = await self._prompts(req.prompt)
         # echo with max_tokens=0 scores the prompt: run one token and drop it.
         scoring = req.max_tokens == 0 and bool(req.echo)
         max_tokens = 1 if scoring else req.max_tokens
+        if "max_tokens" not in req.model_fields_set and "max_tokens" in self.sampling_defaults:
+            # Unsent, not "sent as 16": the schema's default gives way to the model's.
+            max_tokens = self.default_max_tokens(max(len(ids) for _, ids in prompts))
         for _, ids in prompts:
             self.check_length(len(ids), max_tokens, "prompt")
         self.check_response_logprobs(

@@ -196,8 +196,13 @@ class OpenAIServing:
     log_requests = False
 
     def __init__(self, engine: AsyncLLM, config: EngineConfig, chat_template: str | None = None,
-                 admission: Admission | None = None, max_response_logprobs: int = 0):
+                 admission: Admission | None = None, max_response_logprobs: int = 0,
+                 sampling_defaults: dict | None = None):
+        """`sampling_defaults`: SamplingParams fields (generation_config.json's, see
+        engine/generation_config.py) for requests that leave them out."""
         self.engine = engine
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_logprobs = config.max_logprobs  # -1: no cap here (the vocabulary's)
         self.admission = admission or Admission()
         self.max_response_logprobs = max_response_logprobs  # 0: no limit
         self.config = config
@@ -240,6 +245,23 @@ class OpenAIServing:
                            "length of the prompt or the completion.", 400, "max_tokens",
                            "context_length_exceeded")
 
+    def check_logprobs(self, value: int | None, param: str) -> None:
+        """400 naming the field and the flag for more top logprobs than --max-logprobs."""
+        cap = self.max_logprobs
+        if value is not None and cap >= 0 and value > cap:
+            raise APIError(f"{param} must be at most {cap} (the server's --max-logprobs), got "
+                           f"{value}", 400, param)
+
+    def default_max_tokens(self, longest_prompt: int) -> int | None:
+        """max_tokens for a request that sent none: generation_config.json's max_new_tokens,
+        cut to what the context leaves after the longest prompt; None (the rest of the
+        context) without one."""
+        default = self.sampling_defaults.get("max_tokens")
+        if default is None:
+            return None
+        room = self.max_model_len - longest_prompt
+        return min(default, room) if room >= 1 else default
+
     def check_response_logprobs(self, token_counts: list[int], n: int, top: int | None,
                                 param: str = "logprobs") -> None:
         """400 before the work starts for a response whose logprobs could outgrow the cap:
@@ -262,7 +284,8 @@ class OpenAIServing:
         forcing tool_choice), counted with the request's own."""
         try:
             return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs,
-                                              structured_outputs(request, constraint))
+                                              structured_outputs(request, constraint),
+                                              self.sampling_defaults)
         except ValueError as e:
             param = getattr(e, "param", None) or param_of(str(e), request)
             raise APIError(str(e), 400, param) from None

@@ -49,6 +49,15 @@ class Drain:
                                and time.monotonic() - self.started >= self.timeout)
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes see: without --root-path's prefix when a proxy passed it on, so
+    the open paths (/health, /metrics) stay open behind a proxy that does not strip it."""
+    path, prefix = scope["path"], scope.get("root_path", "")
+    if prefix and path.startswith(prefix + "/"):
+        return path[len(prefix):]
+    return path
+
+
 class DrainMiddleware:
     """Counts the HTTP requests in flight; refuses new ones once the drain has begun."""
 
@@ -61,7 +70,7 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.drain.draining and scope["path"] not in self.open_paths:
+        if self.drain.draining and route_path(scope) not in self.open_paths:
             err = APIError("the server is shutting down; retry on another replica", 503,
                            code="shutting_down")
             log_rejection(scope["method"], scope["path"], err)
