@@ -427,7 +427,7 @@ def run_server(args: argparse.Namespace) -> None:
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
                              args.metrics_require_api_key,
                              "https" if ssl_certfile else "http", prefix), flush=True)
-        print(describe_overrides(sampling_defaults, config.generation_config), flush=True)
+        logger.info("%s", describe_overrides(sampling_defaults, config.generation_config))
         # After the drain, handlers ended at its deadline need a moment to send their error.
         server_config = uvicorn.Config(app, host=args.host, port=args.port,
                                        log_level=args.log_level, log_config=log_config,
