@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from pagedllm import log_format
 from pagedllm.config import EngineConfig
 from pagedllm.engine.generation_config import default_sampling_overrides, describe_overrides
 from pagedllm.entrypoints import cli
@@ -179,7 +180,9 @@ def test_cli_needs_a_subcommand(capsys):
     assert e.value.code == 0 and "pagedllm" in capsys.readouterr().out
 
 
-def test_invalid_config_stops_before_loading_the_model():
+def test_invalid_config_stops_before_loading_the_model(monkeypatch):
+    # run_server sets up the process's logging; here it would reconfigure pytest's own.
+    monkeypatch.setattr(api_server, "configure_logging", log_format.log_config)
     with pytest.raises(SystemExit, match="cannot start: block_size must be a power of two"):
         api_server.run_server(serve_args("--block-size", "3", "--log-level", "error"))
 

@@ -75,7 +75,8 @@ def tokenizer():
 
 def make_client(tokenizer, options: ChatOptions | None = None) -> tuple[TestClient, ScriptedEngine]:
     engine = ScriptedEngine(tokenizer)
-    config = SimpleNamespace(served_model_name=["m"], model_name="m", model="m")
+    config = SimpleNamespace(served_model_name=["m"], model_name="m", model="m",
+                             generation_config="vllm", max_logprobs=20)
     app = build_app(engine, config, chat_template=TEMPLATE, options=options)
     return TestClient(app), engine
 
