@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import hmac
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -556,6 +557,35 @@ def test_body_size_limit_gives_413(engine):
         r = c.post("/v1/completions", content=b" " * (4 * 2**20 + 1),
                    headers={"Content-Type": "application/json"})
         assert_openai_error(r, 413, "request_too_large")
+
+
+def test_protocol_errors_and_probes_get_http_answers(url):
+    """Below the API: headers past the bound get 431 in OpenAI's error shape (the HTTP
+    parser alone takes headers of any size), malformed framing gets the HTTP layer's 400,
+    never a reset connection; probes may ask with HEAD."""
+    with http(url) as c:
+        assert_openai_error(c.get("/v1/models", headers={"X-Big": "a" * (65 * 1024)}), 431,
+                            "headers_too_large")
+        assert c.get("/v1/models", headers={"X-Fine": "a" * 8000}).status_code == 200
+        for path in ("/health", "/version"):
+            r = c.head(path)
+            assert r.status_code == 200 and r.content == b"", path
+    port = int(url.rsplit(":", 1)[1])
+    malformed = [
+        b"HELLO THERE\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\n{}\r\n0\r\n\r\n",
+    ]
+    for raw in malformed:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(raw)
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 "), (raw, answer[:200])
 
 
 def test_schema_fuzzing_finds_no_server_error(engine):

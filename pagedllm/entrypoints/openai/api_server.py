@@ -53,7 +53,7 @@ from .cli_args import (
     server_limits,
     ssl_files,
 )
-from .limits import BodyLimitMiddleware, timeout_error, with_deadline
+from .limits import BodyLimitMiddleware, HeaderLimitMiddleware, timeout_error, with_deadline
 from .metrics_routes import (
     DASHBOARD_PATH,
     METRICS_PATHS,
@@ -259,6 +259,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
             open_paths |= METRICS_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
+    app.add_middleware(HeaderLimitMiddleware, max_bytes=limits.max_header_bytes)
     app.add_middleware(DrainMiddleware, drain=drain, open_paths=METRICS_PATHS)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
@@ -283,7 +284,8 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
         log_rejection(request.method, request.url.path, err)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
-    @app.get("/health")
+    # Probes and monitors may ask with HEAD (RFC 9110: what answers GET answers HEAD).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> Response:
         if not engine.is_healthy:
             err = APIError("the engine has stopped", 503)
@@ -291,7 +293,7 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
             return JSONResponse(err.body(), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> dict:
         return {"version": __version__}
 

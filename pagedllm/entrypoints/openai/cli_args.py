@@ -32,6 +32,7 @@ class ServerLimits:
     max_waiting_requests: int = 1024  # requests with no output yet; 0: no cap
     request_timeout: float | None = None  # seconds from arrival to the last byte; None: none
     max_request_body_bytes: int = 4 * 2**20  # 0: no limit
+    max_header_bytes: int = 64 * 2**10  # all headers of one request together; 0: no limit
     # Logprob entries one response may carry (choices x tokens x (1 + top logprobs), the
     # echoed prompt included): about 30 bytes of JSON each. 0: no limit.
     max_response_logprobs: int = 1_000_000
@@ -270,6 +271,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                      default=ServerLimits.max_request_body_bytes,
                      help="larger request bodies get 413, e.g. 4MiB, 1000000; 0: no limit "
                      "(default: 4MiB)")
+    lim.add_argument("--max-header-bytes", type=_bytes, metavar="BYTES",
+                     default=ServerLimits.max_header_bytes,
+                     help="requests whose headers together are larger get 431; 0: no limit "
+                     "(default: 64KiB)")
     lim.add_argument("--max-response-logprobs", type=_non_negative_int, metavar="N",
                      default=ServerLimits.max_response_logprobs,
                      help="logprob entries one response may carry (choices x tokens x (1 + top "
@@ -306,6 +311,7 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(max_waiting_requests=args.max_waiting_requests,
                         request_timeout=args.request_timeout or None,
                         max_request_body_bytes=args.max_request_body_bytes,
+                        max_header_bytes=args.max_header_bytes,
                         max_response_logprobs=args.max_response_logprobs,
                         shutdown_timeout=args.shutdown_timeout)
 

@@ -37,6 +37,30 @@ class BodyTooLarge(HTTPException):
         self.code = "request_too_large"
 
 
+class HeaderLimitMiddleware:
+    """431 for a request whose headers (names and values together) pass `max_bytes`. The
+    HTTP parser takes headers of any size, so without this a client could send megabytes
+    of them on every request and get a 200; browsers and proxies keep theirs to a few
+    kilobytes."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.max_bytes:
+            size = sum(len(k) + len(v) for k, v in scope["headers"])
+            if size > self.max_bytes:
+                err = APIError(f"the request headers are {size} bytes, more than this server's "
+                               f"limit of {self.max_bytes} (--max-header-bytes)", 431,
+                               code="headers_too_large")
+                log_rejection(scope["method"], scope["path"], err)
+                await JSONResponse(err.body(), status_code=431, headers={"Connection": "close"})(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class BodyLimitMiddleware:
     """413 for a body over `max_bytes`: at once when Content-Length says so, otherwise
     (chunked uploads) as soon as the bytes received pass the limit. Plain ASGI, so
