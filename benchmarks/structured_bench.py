@@ -83,6 +83,11 @@ def run(llm: LLM, prompts: list[list[int]], constrained: list[bool], max_tokens:
                                     if tpot[True] else None)}
 
 
+def mean(results: dict, run: str, field: str) -> float:
+    """A figure of a run and of its repeat (`<run>_again`), averaged."""
+    return (results[run][field] + results[run + "_again"][field]) / 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=256)
@@ -109,9 +114,8 @@ def main() -> None:
         results["half"] = run(llm, prompts, [i % 2 == 0 for i in range(n)], length)
         results["half_again"] = run(llm, prompts, [i % 2 == 0 for i in range(n)], length)
         results["free_again"] = run(llm, prompts, [False] * n, length)
-        free_tpot = (results["free"]["free_tpot_ms"] + results["free_again"]["free_tpot_ms"]) / 2
-        half_tpot = (results["half"]["free_tpot_ms"] + results["half_again"]["free_tpot_ms"]) / 2
-        summary = {"free_half_tpot_over_free_tpot": round(half_tpot / free_tpot, 4)}
+        summary = {"free_half_tpot_over_free_tpot": round(
+            mean(results, "half", "free_tpot_ms") / mean(results, "free", "free_tpot_ms"), 4)}
         _report(results, summary, args)
         return
     run(llm, prompts, [True] * n, 400)
@@ -127,16 +131,13 @@ def main() -> None:
     llm.engine.core.executor.supports_deferred_sampling = False
     results["all_constrained_unsplit"] = run(llm, prompts, [True] * n, 400)
     results["half_unsplit"] = run(llm, prompts, [i % 2 == 0 for i in range(n)], length)
-    free = (results["free"]["output_tok_s"] + results["free_again"]["output_tok_s"]) / 2
-    free_tpot = (results["free"]["free_tpot_ms"] + results["free_again"]["free_tpot_ms"]) / 2
-
-    def mean(key: str, field: str) -> float:
-        return (results[key][field] + results[key + "_again"][field]) / 2
-
+    free = mean(results, "free", "output_tok_s")
+    free_tpot = mean(results, "free", "free_tpot_ms")
     summary = {
-        "constrained_over_free": round(mean("all_constrained", "output_tok_s") / free, 4),
-        "half_over_free": round(mean("half", "output_tok_s") / free, 4),
-        "free_half_tpot_over_free_tpot": round(mean("half", "free_tpot_ms") / free_tpot, 4),
+        "constrained_over_free": round(mean(results, "all_constrained", "output_tok_s") / free, 4),
+        "half_over_free": round(mean(results, "half", "output_tok_s") / free, 4),
+        "free_half_tpot_over_free_tpot": round(mean(results, "half", "free_tpot_ms") / free_tpot,
+                                               4),
         "tokens_per_constrained_answer": length,
         "unsplit_constrained_over_free": round(
             results["all_constrained_unsplit"]["output_tok_s"] / free, 4),

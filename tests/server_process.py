@@ -94,3 +94,16 @@ def descendants(pid: int, depth: int | None = None) -> list[int]:
         frontier = kids
         depth = None if depth is None else depth - 1
     return found
+
+
+def wait_idle(url: str, headers: dict | None = None, timeout: float = 30.0,
+              poll: float = 0.1) -> dict:
+    """Until the server's engine runs and queues nothing and every KV block is back in the
+    pool; its last stats. Fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = httpx.get(f"{url}/v1/engine/stats", headers=headers, timeout=30).json()
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
+            return s
+        assert time.monotonic() < deadline, f"the engine did not go idle: {s}"
+        time.sleep(poll)

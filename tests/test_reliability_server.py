@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_process import descendants, launch_server
+from server_process import wait_idle as wait_until_idle
 
 API_KEY = "load-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -65,18 +66,8 @@ def server(tmp_path_factory) -> Iterator[Server]:
         yield Server(sp.url, sp.log, sp.proc)
 
 
-def engine_stats(server: Server) -> dict:
-    return httpx.get(f"{server.url}/v1/engine/stats", headers=AUTH, timeout=30).json()
-
-
 def wait_idle(server: Server, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = engine_stats(server)
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
-            return s
-        assert time.monotonic() < deadline, f"the engine did not go idle: {s}"
-        time.sleep(0.1)
+    return wait_until_idle(server.url, AUTH, timeout)
 
 
 def metric(server: Server, name: str, **labels: str) -> float:

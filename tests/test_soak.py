@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from server_process import launch_server
+from server_process import launch_server, wait_idle
 
 PHASE_S = float(os.environ.get("PAGEDLLM_SOAK_S", "30"))
 ORDINARY_CLIENTS = 3
@@ -147,16 +147,6 @@ async def phase(url: str, seconds: float, abuse: bool) -> tuple[list[float], lis
     return ttfts, failures, wrong, counts
 
 
-def wait_idle(url: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = httpx.get(f"{url}/v1/engine/stats", timeout=30).json()
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_blocks"]:
-            return s
-        assert time.monotonic() < deadline, f"the engine did not go idle: {s}"
-        time.sleep(0.2)
-
-
 def test_ordinary_traffic_is_unharmed_by_abuse(url: str):
     quiet, quiet_failures, _, _ = asyncio.run(phase(url, PHASE_S, abuse=False))
     assert not quiet_failures, quiet_failures[:5]
@@ -173,4 +163,4 @@ def test_ordinary_traffic_is_unharmed_by_abuse(url: str):
     assert p99_busy <= 3 * p99_quiet, (
         f"ordinary p99 TTFT {p99_busy * 1000:.0f} ms beside the abuse, "
         f"{p99_quiet * 1000:.0f} ms alone; abusive requests: {counts}")
-    wait_idle(url)
+    wait_idle(url, timeout=60.0, poll=0.2)

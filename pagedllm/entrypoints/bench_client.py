@@ -43,7 +43,7 @@ def session(base_url: str, headers: dict, timeout: float, connections: int):
     return aiohttp.ClientSession(
         base_url=base_url.rstrip("/") + "/", headers=headers,
         timeout=aiohttp.ClientTimeout(total=timeout),
-        connector=aiohttp.TCPConnector(limit=connections + 4, force_close=False))
+        connector=aiohttp.TCPConnector(limit=connections + 4))
 
 
 async def one(client, path: str, body: dict) -> RequestResult:

@@ -53,7 +53,13 @@ from .cli_args import (
     server_limits,
     ssl_files,
 )
-from .limits import BodyLimitMiddleware, HeaderLimitMiddleware, timeout_error, with_deadline
+from .limits import (
+    BodyLimitMiddleware,
+    HeaderLimitMiddleware,
+    refuse,
+    timeout_error,
+    with_deadline,
+)
 from .metrics_routes import (
     DASHBOARD_PATH,
     METRICS_PATHS,
@@ -105,12 +111,9 @@ class APIKeyMiddleware:
             # digests of equal length, so not even its length shows.
             ok = hmac.compare_digest(_digest(token.strip()), self.expected)
             if scheme.lower() != "bearer" or not ok:
-                err = APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.",
-                               401, code="invalid_api_key")
-                log_rejection(scope.get("method", ""), scope["path"], err)
-                response = JSONResponse(err.body(), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
+                await refuse(scope, receive, send, APIError(
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), close=False)
                 return
         await self.app(scope, receive, send)
 
@@ -140,9 +143,9 @@ class InternalErrorMiddleware:
             if started:  # a response has begun: only closing the connection is left
                 raise
             logger.exception("request failed")
-            err = APIError(f"internal server error ({type(e).__name__}); see the server log", 500)
-            log_rejection(scope["method"], scope["path"], err)
-            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
+            await refuse(scope, receive, send, APIError(
+                f"internal server error ({type(e).__name__}); see the server log", 500),
+                close=False)
 
 
 # Pydantic's names for the branches of a union ('str', 'list[int]'), which mean nothing

@@ -37,6 +37,18 @@ class BodyTooLarge(HTTPException):
         self.code = "request_too_large"
 
 
+async def refuse(scope: Scope, receive: Receive, send: Send, err: APIError,
+                 close: bool = True) -> None:
+    """Answer, from a middleware, a request it stops: the error logged, in OpenAI's shape,
+    with its headers; `close` ends the connection (a client whose request was not read to
+    its end, or who should retry elsewhere, starts afresh)."""
+    log_rejection(scope.get("method", ""), scope["path"], err)
+    headers = dict(err.headers or {})
+    if close:
+        headers["Connection"] = "close"
+    await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
+
+
 class HeaderLimitMiddleware:
     """431 for a request whose headers (names and values together) pass `max_bytes`. The
     HTTP parser takes headers of any size, so without this a client could send megabytes
@@ -51,12 +63,9 @@ class HeaderLimitMiddleware:
         if scope["type"] == "http" and self.max_bytes:
             size = sum(len(k) + len(v) for k, v in scope["headers"])
             if size > self.max_bytes:
-                err = APIError(f"the request headers are {size} bytes, more than this server's "
-                               f"limit of {self.max_bytes} (--max-header-bytes)", 431,
-                               code="headers_too_large")
-                log_rejection(scope["method"], scope["path"], err)
-                await JSONResponse(err.body(), status_code=431, headers={"Connection": "close"})(
-                    scope, receive, send)
+                await refuse(scope, receive, send, APIError(
+                    f"the request headers are {size} bytes, more than this server's limit of "
+                    f"{self.max_bytes} (--max-header-bytes)", 431, code="headers_too_large"))
                 return
         await self.app(scope, receive, send)
 
@@ -87,11 +96,7 @@ class BodyLimitMiddleware:
                 while (await receive()).get("more_body", False):
                     pass
             err = BodyTooLarge(self.max_bytes)
-            api_err = APIError(err.detail, 413, code=err.code)
-            log_rejection(scope["method"], scope["path"], api_err)
-            body = api_err.body()
-            await JSONResponse(body, status_code=413, headers={"Connection": "close"})(
-                scope, receive, send)
+            await refuse(scope, receive, send, APIError(err.detail, 413, code=err.code))
             return
         received = 0
 

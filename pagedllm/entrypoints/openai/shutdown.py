@@ -17,10 +17,9 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .monitoring import log_rejection
+from .limits import refuse
 from .serving_engine import APIError
 
 logger = logging.getLogger("pagedllm.server")
@@ -71,12 +70,9 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.drain.draining and route_path(scope) not in self.open_paths:
-            err = APIError("the server is shutting down; retry on another replica", 503,
-                           code="shutting_down")
-            log_rejection(scope["method"], scope["path"], err)
-            await JSONResponse(err.body(), status_code=503,
-                               headers={"Connection": "close", "Retry-After": "1"})(
-                scope, receive, send)
+            await refuse(scope, receive, send, APIError(
+                "the server is shutting down; retry on another replica", 503,
+                code="shutting_down", headers={"Retry-After": "1"}))
             return
         self.drain.in_flight += 1
         try:
