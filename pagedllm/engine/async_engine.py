@@ -119,8 +119,11 @@ class AsyncLLM:
         """Stream cumulative outputs of one request until it finishes (a consumer slower
         than the engine gets the latest, skipping those in between). Cancelling the
         consumer (e.g. a client disconnect) aborts the request and frees its blocks."""
-        if self._dead is not None or not self.client.alive():
-            raise self._dead or EngineDeadError("the engine is not running")
+        if self._dead is None and not self.client.alive():
+            # Gone before its watcher said so: the same death, with the same reason.
+            self._on_core_death(self.client.exit_reason())
+        if self._dead is not None:
+            raise self._dead
         if params.structured_outputs is None:
             ids, seq_params, requests = self.processor.process(request_id, prompt,
                                                                prompt_token_ids, params)
@@ -218,6 +221,9 @@ class AsyncLLM:
         return aborts
 
     def _on_core_death(self, why: str) -> None:
+        """The core died unplanned (its watcher, or a request that found it gone first)."""
+        if self._dead is not None:  # already reported
+            return
         logger.error("%s", why)
         self._end(EngineDeadError(f"the engine stopped: {why}; see the server log"))
 

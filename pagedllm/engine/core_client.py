@@ -146,6 +146,9 @@ class InprocClient:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def exit_reason(self) -> str:
+        return "the engine thread stopped"
+
     def stop(self) -> None:
         self._stop.set()
         self._commands.put(Shutdown())
@@ -322,7 +325,11 @@ class MPClient:
         wait([self.proc.sentinel])
         self.proc.join(timeout=1)  # for its exit code
         if not self._stopping:
-            self._on_death(f"the engine core process exited (exit code {self.proc.exitcode})")
+            self._on_death(self.exit_reason())
+
+    def exit_reason(self) -> str:
+        """Why the core is gone, for clients and the log (its exit code, once reaped)."""
+        return f"the engine core process exited (exit code {self.proc.exitcode})"
 
     def send(self, cmd: CoreCommand) -> None:
         import zmq
