@@ -295,13 +295,27 @@ def test_core_in_its_own_process_compiles_with_its_own_tokenizer():
 
 
 @pytest.mark.gpu
-def test_constrained_request_on_cuda_with_graphs():
-    llm = LLM(max_model_len=512, seed=0, device="cuda", async_scheduling=True)
+def test_constrained_request_on_cuda_with_graphs(tmp_path):
+    """bf16 on CUDA with decode steps replayed from graphs and the split (overlapped) step:
+    a random-weight llama with a byte-level tokenizer (the real model is too big to carry
+    to the lent GPU), so only the mask can make its answer valid JSON."""
+    from pagedllm.entrypoints.bench_workloads import (
+        LLAMA2_7B_CONFIG,
+        write_arch_config,
+        write_byte_tokenizer,
+    )
+
+    config = dict(LLAMA2_7B_CONFIG, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, vocab_size=1024)
+    path = write_arch_config(config, str(tmp_path))
+    write_byte_tokenizer(path, config["vocab_size"])
+    llm = LLM(model=path, load_format="dummy", dtype="bfloat16", max_model_len=512, seed=0,
+              device="cuda", async_scheduling=True)
     assert llm.engine.executor.runner.graphs is not None  # decode steps replay graphs
-    free = SamplingParams(temperature=0, max_tokens=24)
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     alone = llm.generate(["The capital of France is"], free)[0].outputs[0].token_ids
     outs = llm.generate(["The capital of France is", "A painting as JSON:"],
-                        [free, greedy(SO(json=PALETTE, disable_any_whitespace=True), max_tokens=64)])
+                        [free, greedy(SO(json=PALETTE, disable_any_whitespace=True), max_tokens=128)])
     assert outs[0].outputs[0].token_ids == alone
     o = outs[1].outputs[0]
     assert o.finish_reason == "stop", o.text
