@@ -140,3 +140,101 @@ def test_sampler_draws_follow_the_distribution():
     freq = torch.bincount(torch.tensor(sampler(logits, batch).token_ids), minlength=4).float() / n
     assert freq[1] == 0
     assert torch.allclose(freq, probs, atol=0.015)
+
+
+def _neighbour(rng) -> SamplingParams:
+    """A random request of one of the kinds a batch may hold."""
+    kind = rng.choice(["greedy", "temperature", "top_p", "top_k", "min_p", "penalties",
+                       "logit_bias", "seeded", "everything"])
+    kw: dict = {"temperature": 0.0 if kind == "greedy" else rng.uniform(0.3, 1.5)}
+    if kind in ("top_p", "everything"):
+        kw["top_p"] = rng.uniform(0.05, 0.99)
+    if kind in ("top_k", "everything"):
+        kw["top_k"] = rng.randint(1, 50)
+    if kind in ("min_p", "everything"):
+        kw["min_p"] = rng.uniform(0.01, 0.5)
+    if kind in ("penalties", "everything"):
+        kw.update(presence_penalty=rng.uniform(-1, 1), frequency_penalty=rng.uniform(-1, 1),
+                  repetition_penalty=rng.uniform(0.5, 2.0))
+    if kind in ("logit_bias", "everything"):
+        kw["logit_bias"] = {rng.randrange(1000): rng.uniform(-100, 100) for _ in range(3)}
+    if kind == "seeded":
+        kw["seed"] = rng.randrange(1 << 30)
+    return SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("target", [
+    SamplingParams(temperature=0.8, seed=123),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+    SamplingParams(temperature=0.7, top_k=40, min_p=0.02, seed=99),
+    SamplingParams(temperature=1.2, presence_penalty=0.5, repetition_penalty=1.2, seed=5),
+    SamplingParams(temperature=0, seed=1),
+], ids=["temperature", "top_p", "top_k+min_p", "penalties", "greedy"])
+def test_a_seeded_row_is_sampled_alike_whatever_its_neighbours(target):
+    """The sampler alone (the model's logits held fixed): a seeded row's draws over many
+    steps are the same alone and beside random neighbours of every kind, in any position,
+    with a vocabulary large enough (49152, SmolLM2's) for float32 sums to drift."""
+    import random
+
+    import torch
+
+    from pagedllm.model_executor.layers.sampler import Sampler
+    from pagedllm.worker.model_runner import ModelRunner, _ReqState
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    vocab, steps, rng = 49152, 12, random.Random(0)
+    gen = torch.Generator().manual_seed(1)
+    logits = [torch.randn(vocab, generator=gen) * 4 for _ in range(steps)]
+    history = list(range(50, 80))  # prompt and output so far, for the penalties
+
+    def draws(neighbours: list[SamplingParams], pos: int) -> list[int]:
+        params = neighbours[:pos] + [target] + neighbours[pos:]
+        states = [_ReqState(token_ids=list(history), num_prompt=10, params=p,
+                            generator=(torch.Generator().manual_seed(p.seed)
+                                       if p.seed is not None else None)) for p in params]
+        out = []
+        for step in range(steps):
+            rows = torch.stack([logits[step]] + [torch.randn(vocab, generator=gen) * 4
+                                                 for _ in neighbours])
+            rows = torch.cat([rows[1:pos + 1], rows[:1], rows[pos + 1:]])  # target at pos
+            b = runner._sampling_batch(states, vocab)
+            out.append(int(sampler.sample(rows, b).token_ids[pos]))
+        return out
+
+    alone = draws([], 0)
+    assert len(set(alone)) > 1 or target.temperature == 0  # really sampling
+    for trial in range(15):
+        neighbours = [_neighbour(rng) for _ in range(rng.randint(1, 6))]
+        pos = rng.randint(0, len(neighbours))
+        assert draws(neighbours, pos) == alone, (trial, neighbours)
+
+
+def test_settings_a_row_does_not_use_leave_it_untouched():
+    """The batch fills the top-p of rows without one with 1.0, top-k with the vocabulary
+    size, min-p with 0 and penalties with no-ops: each must leave such a row's logits
+    bit for bit as they were. (A float32 cumsum over 49152 probabilities ends above 1.0, so
+    a plain `mass above > top_p` test cut thousands of tail tokens from rows at 1.0.)"""
+    import torch
+
+    from pagedllm.model_executor.layers.sampler import (
+        SamplingBatch,
+        apply_penalties,
+        apply_top_k_top_p_min_p,
+    )
+
+    vocab = 49152
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1)) * 4
+    b = SamplingBatch(temperature=torch.ones(4), top_k=torch.tensor([vocab, 20, vocab, vocab]),
+                      top_p=torch.tensor([1.0, 1.0, 0.5, 1.0]),
+                      min_p=torch.tensor([0.0, 0.0, 0.0, 0.1]),
+                      presence=torch.tensor([0.0, 0.5, 0.0, 0.0]),
+                      frequency=torch.tensor([0.0, 0.2, 0.0, 0.0]),
+                      repetition=torch.tensor([1.0, 1.3, 1.0, 1.0]),
+                      output_counts=torch.randint(0, 3, (4, vocab)).float(),
+                      seen_mask=torch.rand(4, vocab) < 0.1)
+    out = apply_top_k_top_p_min_p(apply_penalties(logits, b), b)
+    assert torch.equal(out[0], logits[0])  # row 0 uses nothing
+    for r in (1, 2, 3):  # the others really were cut
+        assert torch.isinf(out[r]).sum() > vocab // 2

@@ -3,8 +3,10 @@
 Order (vLLM's): a grammar's token mask (constrained decoding), logit bias and min-token
 masking, penalties, then greedy rows take the argmax; the others are divided by temperature, cut by top-k / top-p / min-p and drawn by
 inverse CDF with one uniform per row. A seeded row draws its uniform from its own
-generator: that is what makes a seeded request's output independent of whatever else
-shares the batch.
+generator, and every step of the procedure is a per-row operation whose result for a row
+does not depend on the settings of the others (a setting a row does not use is an exact
+no-op on it): that is what makes a seeded request's output independent of whatever else
+shares the batch (given the same logits; `batch_invariant` makes the logits so too).
 
 Reported logprobs are those of the raw model distribution (before any processing).
 """
@@ -113,7 +115,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Ten
     if b.top_p is not None:
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly above this token
-        mask |= before > b.top_p[:, None]
+        # Rows without top-p (1.0, there because a neighbour has one) are left alone: a
+        # float32 cumsum over a large vocabulary ends above 1.0, which would cut their tail.
+        mask |= (before > b.top_p[:, None]) & (b.top_p < 1.0)[:, None]
     mask[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
