@@ -104,6 +104,10 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     device: str | None = None
     enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or to save their memory)
+    # A request's logits (so its tokens and logprobs) are the same bits alone or in any
+    # batch, chunked or cached (model_executor/layers/batch_invariant.py). None: the
+    # PAGEDLLM_BATCH_INVARIANT environment variable, off by default.
+    batch_invariant: bool | None = None
     # Schedule and launch step N+1 before reading step N's tokens, so that the host's work
     # overlaps the device's. None: on for one CUDA device, off elsewhere (a CPU computes
     # the step itself, so there is nothing to overlap).
@@ -202,8 +206,13 @@ class EngineConfig:
         asyn = self.async_scheduling
         if asyn is None:  # overlap needs a device that computes apart from the host
             asyn = kind == "cuda" and one_device
+        invariant = self.batch_invariant
+        if invariant is None:
+            flag = os.environ.get("PAGEDLLM_BATCH_INVARIANT", "").strip().lower()
+            invariant = flag in ("1", "true", "yes", "on")
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len,
-                       max_num_batched_tokens=budget, async_scheduling=asyn, resolved=True)
+                       max_num_batched_tokens=budget, async_scheduling=asyn,
+                       batch_invariant=invariant, resolved=True)
 
     @property
     def model_name(self) -> str:

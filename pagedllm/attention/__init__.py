@@ -12,9 +12,14 @@ from pagedllm.attention.torch_backend import TorchPagedAttention
 __all__ = ["AttentionMetadata", "TorchPagedAttention", "get_attention_backend"]
 
 
-def get_attention_backend(device: torch.device):
+def get_attention_backend(device: torch.device, batch_invariant: bool = False):
     """Triton kernels on CUDA when Triton is installed, the torch reference otherwise.
-    PAGEDLLM_ATTENTION_BACKEND=torch|triton forces one."""
+    PAGEDLLM_ATTENTION_BACKEND=torch|triton forces one. The batch-invariant mode has a
+    backend of its own (attention/batch_invariant.py)."""
+    if batch_invariant:
+        from pagedllm.attention.batch_invariant import BatchInvariantAttention
+
+        return BatchInvariantAttention
     choice = os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "auto")
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"PAGEDLLM_ATTENTION_BACKEND must be auto|torch|triton, got {choice!r}")

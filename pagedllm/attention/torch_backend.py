@@ -54,6 +54,7 @@ class TorchPagedAttention:
     name = "torch"
     supports_alibi = True
     prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
+    long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

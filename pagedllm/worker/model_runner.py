@@ -25,6 +25,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.sampler import (
     SampledTensors,
     Sampler,
@@ -128,7 +129,8 @@ class ModelRunner:
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = get_attention_backend(self.device)
+        self.batch_invariant = bool(config.batch_invariant)
+        self.backend = get_attention_backend(self.device, self.batch_invariant)
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
                                 self.dtype, config.seed, config.quantization)
         s = self.model.shape
@@ -322,7 +324,7 @@ class ModelRunner:
             host_q_start=arrays["q_start"], host_q_len=arrays["q_len"],
             host_ctx_len=arrays["ctx_len"],
         )
-        if self.backend.name == "torch":  # index_copy_ and embedding want int64 indices
+        if getattr(self.backend, "long_slots", False):  # index_copy_ wants int64 indices
             meta.slot_mapping = slots.long()
         return ids, pos, meta
 
@@ -334,6 +336,10 @@ class ModelRunner:
         """Queue one step on the device. Nothing here waits for the device unless the step
         owes prompt logprobs (rare: those are read at once). With `defer_sampling` only
         the forward pass is queued; the handle's `sample` queues the rest."""
+        with batch_invariant.enabled(self.batch_invariant):
+            return self._launch(so, defer_sampling)
+
+    def _launch(self, so: SchedulerOutput, defer_sampling: bool) -> LaunchedStep:
         self._update_states(so)
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)

@@ -206,6 +206,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="schedule the next step while the device runs this one "
                    "(default: on for one CUDA device; requests with penalties run in step)")
+    e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   help="a request's logits, logprobs and tokens are the same bits alone or in "
+                   "any batch, chunked or prefix-cached, at a cost in speed (default: "
+                   "$PAGEDLLM_BATCH_INVARIANT, else off)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
@@ -302,7 +306,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
-             "device", "enforce_eager", "async_scheduling", "max_logprobs", "generation_config"]
+             "device", "enforce_eager", "async_scheduling", "batch_invariant", "max_logprobs",
+             "generation_config"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
 

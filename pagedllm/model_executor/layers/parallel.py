@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_gather, all_reduce, get_tp_rank, get_tp_world_size
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.sharding import ShardedWeights, read_block, shape_of
 
 
@@ -67,7 +68,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.bias = nn.Parameter(torch.empty(self.per_rank)) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_logits(F.linear(hidden, self.weight, self.bias), self.num_embeddings)
+        return gather_logits(batch_invariant.linear(hidden, self.weight, self.bias), self.num_embeddings)
 
 
 def gather_logits(local: torch.Tensor, vocab: int) -> torch.Tensor:

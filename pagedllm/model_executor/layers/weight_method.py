@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.sharding import check_shape, copy_block, read_block
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class DenseMethod(WeightMethod):
         self._loaded = set(layer.layout.shards)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return batch_invariant.linear(x, layer.weight, bias)
 
     def dequantized_weight(self, layer: LinearBase, dtype: torch.dtype | None = None) -> torch.Tensor:
         return layer.weight if dtype is None else layer.weight.to(dtype)

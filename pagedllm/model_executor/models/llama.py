@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.distributed import get_tp_rank, get_tp_world_size
-from pagedllm.model_executor.layers import fused_ops
+from pagedllm.model_executor.layers import batch_invariant, fused_ops
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.norm import RMSNorm
 from pagedllm.model_executor.layers.parallel import (
@@ -159,7 +159,7 @@ class MLP(nn.Module):
         if fused_ops.available(gate_up):
             return self.down_proj(fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(batch_invariant.elementwise(F.silu, gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -240,7 +240,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits on every rank (each rank computes its vocabulary slice)."""
         if self.shape.tie_embeddings:  # the embedding's slice is the head's slice
-            return gather_logits(F.linear(hidden, self.model.embed_tokens.weight), self.shape.vocab)
+            return gather_logits(batch_invariant.linear(hidden, self.model.embed_tokens.weight),
+                                 self.shape.vocab)
         return self.lm_head(hidden)
 
     def load_weights(self, weights) -> None:

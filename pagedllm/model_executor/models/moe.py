@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.layers.sharding import read_block, shape_of
 from pagedllm.model_executor.models.architectures import ARCHITECTURES
@@ -82,8 +83,8 @@ class SparseMoeBlock(nn.Module):
         return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, self.w13[e]).split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2[e])
+        gate, up = batch_invariant.linear(h, self.w13[e]).split(self.inter, dim=-1)
+        return batch_invariant.linear(batch_invariant.elementwise(F.silu, gate) * up, self.w2[e])
 
     def experts_sparse(self, x, weights, ids) -> torch.Tensor:
         """Each expert runs on the tokens routed to it only (one host sync for the counts)."""

@@ -30,9 +30,9 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.distributed import get_tp_world_size
+from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
 from pagedllm.model_executor.layers.quantization.packing import (
     awq_gemv_to_internal,
@@ -317,7 +317,7 @@ class PackedMethod(WeightMethod):
         return self._dequantized
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and self.tile_k is not None:
+        if x.is_cuda and self.tile_k is not None and not batch_invariant.is_enabled():
             from pagedllm.model_executor.layers.quantization import triton_w4a16
 
             out = triton_w4a16.wna16_matmul(x.reshape(-1, layer.in_features), layer.qweight, layer.scales,
@@ -325,10 +325,10 @@ class PackedMethod(WeightMethod):
                                             self.quant.zero_offset)
             out = out.view(*x.shape[:-1], layer.out_features)
             return out if bias is None else out + bias
-        if x.is_cuda:
+        if x.is_cuda and not batch_invariant.is_enabled():
             _warn_once("no Triton kernel for this layer: dequantizing on every call (slow)")
-            return F.linear(x, self.dequantized_weight(layer, x.dtype), bias)
-        return F.linear(x, self._weight(layer).to(x.dtype), bias)
+            return batch_invariant.linear(x, self.dequantized_weight(layer, x.dtype), bias)
+        return batch_invariant.linear(x, self._weight(layer).to(x.dtype), bias)
 
 
 _warned: set[str] = set()
