@@ -85,6 +85,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="GPUs (or CPU processes) the model is split over (default 1)")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="overlap scheduling with the device's step (default: on for one CUDA device)")
+    e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   help="the engine's batch-invariant mode (what determinism costs)")
     e.add_argument("--disable-detokenize", action="store_true",
                    help="skip incremental detokenization (always skipped without a tokenizer)")
 
@@ -207,6 +209,7 @@ class EngineBackend:
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "enable_prefix_caching": args.enable_prefix_caching, "device": args.device,
             "async_scheduling": args.async_scheduling,
+            "batch_invariant": args.batch_invariant,
             "tensor_parallel_size": args.tensor_parallel_size,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }
@@ -243,7 +246,8 @@ class EngineBackend:
         return elapsed
 
     def info(self) -> dict:
-        return {"async_scheduling": self.llm.engine.async_scheduling}
+        return {"async_scheduling": self.llm.engine.async_scheduling,
+                "batch_invariant": bool(self.llm.engine.config.batch_invariant)}
 
     def close(self) -> None:
         self.llm.engine.shutdown()  # tensor-parallel workers exit (in-process: nothing to do)
