@@ -290,7 +290,7 @@ def test_rendered_pod_starts_serve_as_configured(values, entrypoint):
 
 
 def test_probes_ports_and_service_agree(serve_help):
-    from pagedllm.entrypoints.openai.api_server import OPEN_PATHS
+    from pagedllm.entrypoints.openai.api_server import LIVENESS_PATH, OPEN_PATHS, READINESS_PATH
 
     for values in VALUE_SETS.values():
         m = render(values)
@@ -299,10 +299,16 @@ def test_probes_ports_and_service_agree(serve_help):
         assert port["name"] == "http"
         i = c["args"].index("--port")
         assert int(c["args"][i + 1]) == port["containerPort"]
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
-        # Probes carry no API key: /health must stay open when one is set.
-        assert "/health" in OPEN_PATHS
+        # Liveness (and startup) on /health, which stays 200 while draining; readiness on
+        # /ready, which turns 503 at SIGTERM so that traffic stops first.
+        for probe, path in (("startupProbe", LIVENESS_PATH), ("livenessProbe", LIVENESS_PATH),
+                            ("readinessProbe", READINESS_PATH)):
+            assert c[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+        # Probes carry no API key: both must stay open when one is set.
+        assert {LIVENESS_PATH, READINESS_PATH} <= OPEN_PATHS
+        # The startup probe waits out a long model load (download included).
+        startup = c["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
         svc = one(m, "Service")
         assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
         pod_labels = one(m, "Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -485,7 +491,9 @@ def test_raycluster_tensor_parallel_size_is_all_its_gpus(serve_flags):
     # The API on the head: probes, port, Service, and the grace period over the drain time.
     port = {p["name"]: p["containerPort"] for p in head["ports"]}["http"]
     assert str(port) == tokens[tokens.index("--port") + 1]
-    assert head["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert head["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert head["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert head["startupProbe"]["periodSeconds"] * head["startupProbe"]["failureThreshold"] >= 600
     svc = docs["Service"]
     assert svc["spec"]["selector"] == {"ray.io/cluster": docs["RayCluster"]["metadata"]["name"],
                                        "ray.io/node-type": "head"}

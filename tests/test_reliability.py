@@ -465,10 +465,11 @@ BAD_FIELDS = [
     ("/v1/completions", '{"prompt": "x", "temperature": NaN}', "temperature"),
     ("/v1/completions", '{"prompt": "x", "top_p": Infinity}', "top_p"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": -Infinity}}', "logit_bias"),
-    ("/v1/completions", '{"prompt": "\\ud800"}', None),  # a lone surrogate
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', None),
-    ("/v1/completions", '{"prompt": "x", "stop": ["ok", "\\ud83d"]}', None),
-    ("/tokenize", '{"prompt": "a\\ud800b"}', None),
+    ("/v1/completions", '{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+     "messages"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["ok", "\\ud83d"]}', "stop"),
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 129}, "n"),
     ("/v1/completions", {"prompt": "x", "n": HUGE}, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": HUGE}, "best_of"),
@@ -567,7 +568,7 @@ def test_protocol_errors_and_probes_get_http_answers(url):
         assert_openai_error(c.get("/v1/models", headers={"X-Big": "a" * (65 * 1024)}), 431,
                             "headers_too_large")
         assert c.get("/v1/models", headers={"X-Fine": "a" * 8000}).status_code == 200
-        for path in ("/health", "/version"):
+        for path in ("/health", "/ready", "/version"):
             r = c.head(path)
             assert r.status_code == 200 and r.content == b"", path
     port = int(url.rsplit(":", 1)[1])
@@ -638,7 +639,7 @@ def test_every_route_but_the_open_ones_needs_the_key(engine):
     from starlette.routing import Route
 
     app = make_app(engine)
-    open_paths = {"/health", "/version", "/dashboard", "/metrics", "/dashboard/data"}
+    open_paths = {"/health", "/ready", "/version", "/dashboard", "/metrics", "/dashboard/data"}
     routes = [r for r in app.routes if isinstance(r, Route)]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= {r.path for r in routes}
     with serve(app) as u, httpx.Client(base_url=u, timeout=30) as c:
@@ -655,7 +656,7 @@ def test_every_route_but_the_open_ones_needs_the_key(engine):
     # --health-require-api-key closes the probes too.
     closed = make_app(engine, health_require_api_key=True)
     with serve(closed) as u, httpx.Client(base_url=u, timeout=30) as c:
-        for path in ("/health", "/version"):
+        for path in ("/health", "/ready", "/version"):
             assert_openai_error(c.get(path), 401, "invalid_api_key")
             assert c.get(path, headers=AUTH).status_code == 200
         assert c.get("/metrics").status_code == 200  # its own flag

@@ -266,12 +266,14 @@ def test_sigterm_drains_then_exits_zero(server: Server):
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        # New requests are refused (503 while the port is still open), and so is /health.
+        # New requests are refused (503 while the port is still open), and so is readiness;
+        # liveness stays 200: the server is alive, finishing its requests.
         with httpx.Client(base_url=server.url, headers=AUTH, timeout=10) as c:
             r = c.post("/v1/completions", json=completion_body("Hi"))
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
             assert r.headers["retry-after"] and r.headers["connection"] == "close"
-            assert c.get("/health").status_code == 503
+            assert c.get("/ready").status_code == 503
+            assert c.get("/health").status_code == 200
         events = [line[6:] for line in short_lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "error" not in events[-2]
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"

@@ -80,14 +80,16 @@ from .protocol import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import Admission, APIError, OpenAIServing
+from .serving_engine import Admission, APIError, OpenAIServing, model_root
 from .shutdown import Drain, DrainingServer, DrainMiddleware, route_path
 
 logger = logging.getLogger("pagedllm.server")
 
 # Probes work without the key (unless --health-require-api-key), and so does the
-# dashboard's page (a static file; its data follows the metrics' rule).
-HEALTH_PATHS = frozenset({"/health", "/version"})
+# dashboard's page (a static file; its data follows the metrics' rule). /health is the
+# liveness probe, /ready the readiness probe: they differ only while draining.
+LIVENESS_PATH, READINESS_PATH = "/health", "/ready"
+HEALTH_PATHS = frozenset({LIVENESS_PATH, READINESS_PATH, "/version"})
 OPEN_PATHS = HEALTH_PATHS | {DASHBOARD_PATH}
 
 
@@ -116,6 +118,32 @@ class APIKeyMiddleware:
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}), close=False)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echoes a client's `X-Request-Id` on its response (every one: errors, refusals and
+    streams too), so that a client or a proxy can match answers to its own logs, as vLLM
+    does with --enable-request-id-headers. Only echoed, never made the engine's request id:
+    two clients may send the same one. A request without one gets none."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = None
+        if scope["type"] == "http":
+            request_id = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if request_id is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class InternalErrorMiddleware:
@@ -151,36 +179,105 @@ class InternalErrorMiddleware:
 # Pydantic's names for the branches of a union ('str', 'list[int]'), which mean nothing
 # to a client: a path is cut where one starts.
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+# Pydantic's words for a body that is not an object ('... or instance of ChatCompletionRequest'
+# names a class).
+_NOT_AN_OBJECT = {"model_type", "model_attributes_type", "dict_type"}
+# What pydantic puts before a validator's own message ('Value error, top_k must be ...').
+_VALIDATOR_PREFIXES = ("Value error, ", "Assertion failed, ")
 
 
 def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in _UNION_TAGS or "[" in part)
 
 
+def _plain(msg: object) -> str:
+    text = str(msg)
+    for prefix in _VALIDATOR_PREFIXES:
+        text = text.removeprefix(prefix)
+    return text
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """Pydantic's complaint as a 400 naming the field, without its internals (no input
-    echo, no docs links, no error-type codes)."""
+    echo, no docs links, no error-type codes, no class names)."""
     errors = exc.errors()
     if not errors:
         return APIError("invalid request", 400)
     err = errors[0]
-    if err.get("type") == "json_invalid":
-        return APIError(f"the request body is not valid JSON: {err.get('msg')}", 400)
     full = list(err.get("loc", ()))
+    if err.get("type") == "json_invalid":  # loc: ('body', offset); ctx: json's reason
+        why = (err.get("ctx") or {}).get("error") or "it cannot be parsed"
+        at = f" at character {full[1]}" if len(full) > 1 and isinstance(full[1], int) else ""
+        return APIError(f"the request body is not valid JSON: {why}{at}", 400)
     skip = 1 if full[:1] == ["body"] else 0
     loc = full[skip:]
+    if not loc and err.get("type") == "missing":
+        return APIError("the request body is empty: send a JSON object", 400)
+    if not loc and err.get("type") in _NOT_AN_OBJECT:
+        return APIError("the request body must be a JSON object", 400)
     cut = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
     if cut is not None:  # no branch of a union matched: say what each branch wanted
         loc, prefix = loc[:cut], full[: skip + cut]
-        msgs = dict.fromkeys(e.get("msg", "") for e in errors
+        msgs = dict.fromkeys(_plain(e.get("msg", "")) for e in errors
                              if list(e.get("loc", ()))[: len(prefix)] == prefix)
         msg = "invalid value (" + "; ".join(list(msgs)[:3]) + ")"
     else:
-        msg = str(err.get("msg"))
-    if not loc:
-        return APIError(f"the request body is invalid: {msg}", 400)
+        msg = _plain(err.get("msg"))
+    if not loc:  # a check of the whole body; a FieldError names its field
+        param = getattr((err.get("ctx") or {}).get("error"), "param", None)
+        return APIError(f"the request body is invalid: {msg}", 400, param)
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    return APIError(f"{path}: {msg}", 400, str(loc[0]))
+    if not msg.startswith(path + " "):  # 'chat_template_kwargs nests deeper ...' names it
+        msg = f"{path}: {msg}"
+    return APIError(msg, 400, str(loc[0]))
+
+
+def _is_json(content_type: str | None) -> bool:
+    """What FastAPI parses as JSON: application/json or application/*+json."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                            and media.endswith("+json"))
+
+
+def content_type_error(content_type: str | None) -> APIError | None:
+    """A body not sent as JSON, named by its header. FastAPI then hands the raw bytes to
+    pydantic, whose complaint ('Input should be a valid dictionary') does not say why;
+    curl's `-d` sends `application/x-www-form-urlencoded`, a common cause. 400, not 415:
+    OpenAI answers a body it cannot read with 400 `invalid_request_error` (and vLLM with
+    400), so the openai client raises BadRequestError, as for any other malformed body."""
+    if _is_json(content_type):
+        return None
+    got = (f"this request's is {content_type[:100]!r}" if content_type
+           else "this request has none")
+    return APIError("the request body must be JSON, sent with the header 'Content-Type: "
+                    f"application/json' ({got})", 400)
+
+
+# FastAPI's 400 when the body cannot even be decoded (json raised something other than a
+# JSONDecodeError); the cause says what went wrong.
+_UNREADABLE_BODY = "There was an error parsing the body"
+
+
+def http_error(request: Request, exc: StarletteHTTPException) -> APIError:
+    """An HTTP error raised by the framework, in words that say what to change: the method
+    and path of a 404 or 405 (as OpenAI's 'Invalid URL (GET /v1/x)'), and why a body could
+    not be read."""
+    detail, status = str(exc.detail), exc.status_code
+    where = f"{request.method} {request.url.path[:200]}"
+    if status == 404 and detail == "Not Found":
+        detail = f"Invalid URL ({where}): this server has no such route"
+    elif status == 405 and detail == "Method Not Allowed":
+        allowed = (exc.headers or {}).get("Allow", "")
+        detail = f"Invalid method for URL ({where}): this route takes {allowed}"
+    elif status == 400 and detail == _UNREADABLE_BODY:
+        cause = exc.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            detail = "the request body is not valid JSON: it is not UTF-8 text"
+        elif isinstance(cause, RecursionError):
+            detail = "the request body is not valid JSON this server can read: it nests too deeply"
+        else:
+            detail = "the request body could not be read as JSON"
+    return APIError(detail, status, code=getattr(exc, "code", None), headers=exc.headers)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -263,11 +360,15 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     app.add_middleware(HeaderLimitMiddleware, max_bytes=limits.max_header_bytes)
-    app.add_middleware(DrainMiddleware, drain=drain, open_paths=METRICS_PATHS)
+    # While draining, liveness and the metrics stay open; readiness (like the API) says 503.
+    app.add_middleware(DrainMiddleware, drain=drain,
+                       open_paths=METRICS_PATHS | {LIVENESS_PATH})
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins,
                            allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestIdMiddleware)
     add_metrics_routes(app, engine, sampler, vllm_names=monitoring.vllm_metric_names)
 
     @app.exception_handler(APIError)
@@ -277,23 +378,35 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_error(exc)
+        # Every body this server takes is JSON: one sent as anything else is named as such.
+        err = content_type_error(request.headers.get("content-type")) or validation_error(exc)
         log_rejection(request.method, request.url.path, err)
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(str(exc.detail), exc.status_code, code=getattr(exc, "code", None))
+        err = http_error(request, exc)
         log_rejection(request.method, request.url.path, err)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    @app.get("/health")
-    async def health(request: Request) -> Response:
+    def probe(request: Request) -> Response:
         if not engine.is_healthy:
-            err = APIError("the engine has stopped", 503)
+            err = APIError("the engine has stopped", 503, code="engine_unavailable")
             log_rejection(request.method, request.url.path, err)
             return JSONResponse(err.body(), status_code=503)
         return Response(status_code=200)
+
+    @app.get(LIVENESS_PATH)
+    async def health(request: Request) -> Response:
+        """Liveness: 200 while the engine runs, draining included (restarting a process
+        that is finishing its requests would cut them); 503 once it has stopped."""
+        return probe(request)
+
+    @app.get(READINESS_PATH)
+    async def ready(request: Request) -> Response:
+        """Readiness: as /health, but 503 from the start of a drain (the DrainMiddleware
+        answers it), so that load balancers stop sending before the server stops."""
+        return probe(request)
 
     @app.get("/version")
     async def version() -> dict:
@@ -301,12 +414,14 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
 
     # Probes and monitors may ask with HEAD (RFC 9110: what answers GET answers HEAD); a
     # route of its own, outside the schema, so that no operation id is listed twice.
-    for path, endpoint in (("/health", health), ("/version", version)):
+    for path, endpoint in ((LIVENESS_PATH, health), (READINESS_PATH, ready),
+                           ("/version", version)):
         app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=config.model, max_model_len=base.max_model_len)
+        root = model_root(config)
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=base.max_model_len)
                                for name in base.served_names])
 
     @app.get("/v1/engine/stats")

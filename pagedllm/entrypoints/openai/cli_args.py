@@ -227,7 +227,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    help="require the API key for /metrics and the dashboard's data too "
                    "(default: open, like /health, so scrapers need no key)")
     s.add_argument("--health-require-api-key", action="store_true",
-                   help="require the API key for /health and /version too (default: open, "
+                   help="require the API key for /health, /ready and /version too (default: open, "
                    "for load balancers' and Kubernetes' probes)")
     s.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
                    help="enable CORS for these browser origins, e.g. https://app.example.com "

@@ -64,6 +64,15 @@ def check_bounded(value: Any, name: str, max_depth: int = MAX_LIBRARY_DEPTH,
             stack.extend((c, depth + 1) for c in children)
 
 
+class FieldError(ValueError):
+    """A bad request field: the message and the field (`param` of OpenAI's error), also when
+    raised inside a validator (pydantic keeps the exception, so the server can name it)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def first_non_unicode(value: Any, path: str = "") -> str | None:
     """Where the first string that is not valid Unicode is ('messages[0].content'), else
     None. JSON can spell lone surrogates ('\\ud800'), which no tokenizer takes and no UTF-8
@@ -104,7 +113,9 @@ class OpenAIRequest(BaseModel):
     def _unicode_only(cls, data: Any) -> Any:
         bad = first_non_unicode(data)
         if bad:
-            raise ValueError(f"{bad} is not valid Unicode text (it holds a lone surrogate)")
+            field = bad.removeprefix("a key of ").split("[", 1)[0].split(".", 1)[0]
+            param = field if isinstance(data, dict) and field in data else None
+            raise FieldError(param, f"{bad} is not valid Unicode text (it holds a lone surrogate)")
         return data
 
     def unknown_fields(self) -> list[str]:

@@ -15,7 +15,7 @@ import msgspec
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, looks_like_hub_id
 from pagedllm.engine.async_engine import (
     AsyncLLM,
     EngineDeadError,
@@ -67,6 +67,15 @@ def random_id(prefix: str) -> str:
 
 def served_model_names(config: EngineConfig) -> list[str]:
     return list(config.served_model_name or [config.model_name])
+
+
+def model_root(config: EngineConfig) -> str:
+    """The model the served names stand for (/v1/models' `root`): a hub id as given, else
+    the path's last component. vLLM lists the path itself, which would tell every client
+    where this server keeps its files."""
+    if looks_like_hub_id(config.model):
+        return config.model
+    return config.model.rstrip("/").rsplit("/", 1)[-1]
 
 
 def model_aliases(config: EngineConfig) -> set[str]:
@@ -331,6 +340,11 @@ class OpenAIServing:
         """The chat template applied to the conversation (and the tools, given to the
         template as transformers does), as text and token ids."""
         tok = self.require_tokenizer()
+        if self.chat_template is None and getattr(tok, "chat_template", None) is None:
+            # Said here, not by the tokenizer: its words name a Python argument, or its path.
+            raise APIError("this model has no chat template, so it cannot take chat messages: "
+                           "start the server with --chat-template, or send a prompt to "
+                           "/v1/completions", 400, "messages")
         conversation = [_template_message(i, m) for i, m in enumerate(messages)]
         extra = dict(template_kwargs or {})
         if tools:
@@ -339,8 +353,12 @@ class OpenAIServing:
             text = tok.apply_chat_template(
                 conversation, chat_template=self.chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **extra)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:
+        except (TemplateError, ValueError) as e:  # the template's own words, or Jinja's
             raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+        except (TypeError, KeyError) as e:  # Python's words ("unsupported operand type(s)")
+            logger.info("the chat template failed on a request: %s: %s", type(e).__name__, e)
+            raise APIError("cannot apply the chat template to these messages: it met a value "
+                           "of a type it cannot handle", 400, "messages") from None
         # The template already wrote the special tokens it wants (BOS, role markers).
         return text, tok.encode(text, add_special_tokens=False)
 
@@ -426,8 +444,8 @@ def as_api_error(e: BaseException, request: BaseModel | None = None) -> BaseExce
     anything else is named by its type alone (its text may hold paths or internals)."""
     if isinstance(e, APIError | asyncio.CancelledError):
         return e
-    if isinstance(e, EngineShutdownError):
-        return APIError(str(e), 503, code="shutting_down")
+    if isinstance(e, EngineShutdownError):  # as the drain answers new requests
+        return APIError(str(e), 503, code="shutting_down", headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 503, code="engine_unavailable")
     if isinstance(e, RequestFailedError):

@@ -1,11 +1,13 @@
 """Graceful shutdown: the first SIGTERM (or Ctrl-C) starts a drain instead of an exit.
 
 While draining, new requests get 503 (code `shutting_down`, with `Connection: close`), and
-so does /health, so a load balancer stops sending more; the requests already running go on
-to their end. When none is left, or `--shutdown-timeout` seconds have passed, the server
-stops: whatever still runs at the deadline is ended with an error (a 503, or a stream's last
-event), the listening socket closes, and the process exits 0. A second signal ends the
-drain at once. /metrics stays readable while draining.
+so does the readiness probe /ready, so a load balancer stops sending more; the requests
+already running go on to their end. The liveness probe /health stays 200: the process is
+alive and finishing its work, and a supervisor that restarted it would cut those requests.
+When none is left, or `--shutdown-timeout` seconds have passed, the server stops: whatever
+still runs at the deadline is ended with an error (a 503, or a stream's last event), the
+listening socket closes, and the process exits 0. A second signal ends the drain at once.
+/metrics stays readable while draining.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class DrainMiddleware:
     def __init__(self, app: ASGIApp, drain: Drain, open_paths: frozenset[str] = frozenset()):
         self.app = app
         self.drain = drain
-        self.open_paths = open_paths  # still served while draining (metrics)
+        self.open_paths = open_paths  # still served while draining (liveness, metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

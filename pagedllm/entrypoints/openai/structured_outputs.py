@@ -10,15 +10,7 @@ from __future__ import annotations
 
 from pagedllm.sampling_params import StructuredOutputsParams
 
-from .protocol import SamplingRequest
-
-
-class FieldError(ValueError):
-    """A bad request field: the message and the field (`param` of OpenAI's error)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+from .protocol import FieldError, SamplingRequest
 
 
 def _params(param: str, **kwargs) -> StructuredOutputsParams:
