@@ -197,3 +197,39 @@ def test_a_seeded_request_is_the_same_beside_every_kind_of_neighbour(engines):
         for a, b in zip(alone.outputs, got.outputs, strict=True):
             assert a.token_ids == b.token_ids, neighbours
             assert a.logprobs == b.logprobs
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_logprobs_are_bitwise_the_same_in_any_batch(tiny_models):
+    """On CUDA in bfloat16 (the fixed-tile Triton matmul, the paged attention's products
+    through it): alone, on an engine that computes prompts whole, against batches of 1..64
+    on one that chunks them and caches prefixes."""
+    path, _ = tiny_models("llama")
+    kw = dict(model=path, skip_tokenizer_init=True, batch_invariant=True, dtype="bfloat16",
+              device="cuda", block_size=16, num_kv_blocks=1024)
+    whole = LLM(**kw, max_num_batched_tokens=4096, enable_prefix_caching=False)
+    chunked = LLM(**kw, max_num_batched_tokens=32, enable_prefix_caching=True)
+    shared = _prompts(1, seed=7)[0][:40]
+    prompts = _prompts(32, seed=2) + _prompts(32, seed=3, prefix=shared)
+    alone = {i: _record(whole.generate([{"prompt_token_ids": prompts[i]}], GREEDY)[0])
+             for i in range(len(prompts))}
+    rng = random.Random(5)
+    for size in (1, 3, 17, 64):
+        picks = rng.sample(range(len(prompts)), size)
+        outs = chunked.generate([{"prompt_token_ids": prompts[i]} for i in picks], GREEDY)
+        for i, o in zip(picks, outs, strict=True):
+            assert _record(o) == alone[i], (size, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matmul_is_right_and_row_invariant(dtype):
+    from pagedllm.model_executor.layers.batch_invariant_cuda import matmul
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1000, 576, generator=g, device="cuda").to(dtype)
+    x = torch.randn(300, 576, generator=g, device="cuda").to(dtype)
+    y = matmul(x, w)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-1)
+    for m in (1, 2, 7, 64, 129):
+        assert torch.equal(matmul(x[:m], w), y[:m]), m

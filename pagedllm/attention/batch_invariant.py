@@ -21,10 +21,64 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchPagedAttention
-from pagedllm.model_executor.layers.batch_invariant import elementwise
+from pagedllm.model_executor.layers.batch_invariant import bmm, elementwise
 
-TILE_Q = 16
+TILE_Q = 4  # small: a decode pads its one query to a tile
 PAGE = 64
+
+
+class _Plan:
+    """The step's tiles and pages, the same for every layer: planned once per step."""
+
+    def __init__(self, meta: AttentionMetadata, block_size: int, group: int, window: int | None,
+                 dev: torch.device):
+        q_start = torch.as_tensor(meta.host_q_start, dtype=torch.long)
+        q_len = torch.as_tensor(meta.host_q_len, dtype=torch.long)
+        ctx = torch.as_tensor(meta.host_ctx_len, dtype=torch.long)
+        # Tiles: (sequence, first query of the tile within the sequence's chunk).
+        counts = -(-q_len // TILE_Q)
+        seq = torch.repeat_interleave(torch.arange(len(q_len)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        within = (torch.arange(int(counts.sum())) - first[seq]) * TILE_Q
+        r = within[:, None] + torch.arange(TILE_Q)[None, :]  # [nt, TILE_Q] query index
+        real = r < q_len[seq][:, None]
+        qpos = torch.where(real, ctx[seq][:, None] - q_len[seq][:, None] + r, -1)
+        rows = torch.where(real, q_start[seq][:, None] + r, 0)
+        # Pages a tile walks: up to its last query's position (causal), from the window's
+        # start for sliding-window layers.
+        last = qpos.max(1).values
+        hi = last // PAGE + 1
+        if window is not None:
+            lo = torch.clamp(torch.where(real, qpos, last[:, None]).min(1).values - window + 1,
+                             min=0) // PAGE
+        else:
+            lo = torch.zeros_like(hi)
+        self.num_tiles = nt = len(seq)
+        self.rows = rows.to(dev).view(-1)
+        self.keep = real.to(dev).view(-1)
+        # A tile's rows stacked per KV head: group heads x TILE_Q queries.
+        qrow = qpos[:, None, :].expand(nt, group, TILE_Q).reshape(nt, 1, group * TILE_Q)
+        seq_ctx = ctx[seq]
+        tables = meta.block_tables.long().cpu()
+        offs = torch.arange(PAGE)
+        self.pages = []  # (tiles or None for all, slots [ns * PAGE], key valid, visible, dist)
+        for page in range(int(lo.min()), int(hi.max())):
+            sel = ((lo <= page) & (page < hi)).nonzero().squeeze(1)
+            if len(sel) == 0:
+                continue
+            kpos = page * PAGE + offs
+            blk = torch.clamp(kpos // block_size, max=tables.shape[1] - 1)
+            kvalid = kpos[None, :] < seq_ctx[sel][:, None]  # [ns, PAGE]
+            slots = tables[seq[sel]][:, blk] * block_size + (kpos % block_size)[None, :]
+            slots = torch.where(kvalid, slots, 0)
+            qr = qrow[sel]  # [ns, 1, G*TQ]
+            dist = kpos[None, None, None, :] - qr[..., None]  # key - query: <= 0 is visible
+            visible = (dist <= 0) & (qr[..., None] >= 0) & kvalid[:, None, None, :]
+            if window is not None:
+                visible &= dist > -window
+            everyone = len(sel) == nt
+            self.pages.append((None if everyone else sel.to(dev), slots.view(-1).to(dev),
+                               kvalid.to(dev), visible.to(dev), dist.float().to(dev)))
 
 
 class BatchInvariantAttention:
@@ -52,83 +106,53 @@ class BatchInvariantAttention:
         hq, dim = q.shape[1:]
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
         group = hq // hkv
-        q_start = torch.as_tensor(meta.host_q_start, dtype=torch.long)
-        q_len = torch.as_tensor(meta.host_q_len, dtype=torch.long)
-        ctx = torch.as_tensor(meta.host_ctx_len, dtype=torch.long)
-        # Tiles: (sequence, first query of the tile within the sequence's chunk).
-        counts = -(-q_len // TILE_Q)
-        seq = torch.repeat_interleave(torch.arange(len(q_len)), counts)
-        first = torch.cumsum(counts, 0) - counts
-        within = (torch.arange(int(counts.sum())) - first[seq]) * TILE_Q
-        r = within[:, None] + torch.arange(TILE_Q)[None, :]  # [nt, TILE_Q] query index
-        real = r < q_len[seq][:, None]
-        qpos = torch.where(real, ctx[seq][:, None] - q_len[seq][:, None] + r, -1)
-        rows = torch.where(real, q_start[seq][:, None] + r, 0)
-        tile_ctx = ctx[seq]
-        # Pages a tile walks: up to its last query's position (causal), from the window's
-        # start for sliding-window layers.
-        last = qpos.max(1).values
-        hi = last // PAGE + 1
-        if sliding_window is not None:
-            lo = torch.clamp(torch.where(real, qpos, last[:, None]).min(1).values
-                             - sliding_window + 1, min=0) // PAGE
-        else:
-            lo = torch.zeros_like(hi)
-        nt = len(seq)
-        qpos_d, rows_d = qpos.to(dev), rows.to(dev)
-        seq_d, ctx_d = seq.to(dev), tile_ctx.to(dev)
+        plans = meta.__dict__.setdefault("_invariant_plans", {})
+        plan = plans.get(sliding_window)
+        if plan is None:
+            plan = plans[sliding_window] = _Plan(meta, bs, group, sliding_window, dev)
+        nt, rows = plan.num_tiles, group * TILE_Q
         # [nt, TILE_Q, Hkv, group, D] -> [nt, Hkv, group * TILE_Q, D]: one matrix per KV head.
-        qt = q.float().index_select(0, rows_d.view(-1)).view(nt, TILE_Q, hkv, group, dim)
-        qt = qt.permute(0, 2, 3, 1, 4).reshape(nt, hkv, group * TILE_Q, dim)
-        qrow = qpos_d[:, None, None, :].expand(nt, hkv, group, TILE_Q).reshape(nt, hkv, -1)
-        m = torch.full((nt, hkv, group * TILE_Q), float("-inf"), device=dev)
-        l_sum = torch.zeros((nt, hkv, group * TILE_Q), device=dev)
-        acc = torch.zeros((nt, hkv, group * TILE_Q, dim), device=dev)
+        qt = q.float().index_select(0, plan.rows).view(nt, TILE_Q, hkv, group, dim)
+        qt = qt.permute(0, 2, 3, 1, 4).reshape(nt, hkv, rows, dim)
+        m = torch.full((nt, hkv, rows), float("-inf"), device=dev)
+        l_sum = torch.zeros((nt, hkv, rows), device=dev)
+        acc = torch.zeros((nt, hkv, rows, dim), device=dev)
         slopes = None
-        if alibi_slopes is not None:  # [Hq] -> per stacked row [Hkv, group * TILE_Q]
-            slopes = alibi_slopes.float().view(hkv, group, 1).expand(hkv, group, TILE_Q).reshape(hkv, -1)
+        if alibi_slopes is not None:  # [Hq] -> per stacked row [Hkv, group * TILE_Q, 1]
+            slopes = alibi_slopes.float().view(hkv, group, 1).expand(hkv, group, TILE_Q).reshape(hkv, rows, 1)
         k_flat = k_cache.view(-1, hkv, dim)
         v_flat = v_cache.view(-1, hkv, dim)
-        tables = meta.block_tables.long()
-        offs = torch.arange(PAGE, device=dev)
-        for page in range(int(lo.min()), int(hi.max())):
-            sel = ((lo <= page) & (page < hi)).nonzero().squeeze(1)
-            if len(sel) == 0:
-                continue
-            sel_d = sel.to(dev)
-            kpos = page * PAGE + offs  # [PAGE]
-            blk = torch.clamp(kpos // bs, max=tables.shape[1] - 1)
-            slots = tables[seq_d[sel_d]][:, blk] * bs + (kpos % bs)[None, :]  # [ns, PAGE]
-            kvalid = kpos[None, :] < ctx_d[sel_d][:, None]
-            slots = torch.where(kvalid, slots, 0)
-            kp = k_flat.index_select(0, slots.view(-1)).float().view(len(sel), PAGE, hkv, dim)
-            vp = v_flat.index_select(0, slots.view(-1)).float().view(len(sel), PAGE, hkv, dim)
+        for sel, slots, kvalid, visible, dist in plan.pages:
+            ns = nt if sel is None else len(sel)
+            kp = k_flat.index_select(0, slots).float().view(ns, PAGE, hkv, dim)
+            vp = v_flat.index_select(0, slots).float().view(ns, PAGE, hkv, dim)
             vp = torch.where(kvalid[:, :, None, None], vp, 0.0)  # unwritten slots may hold NaN
-            ns = len(sel)
-            s = torch.bmm(qt[sel_d].reshape(ns * hkv, -1, dim),
-                          kp.permute(0, 2, 3, 1).reshape(ns * hkv, dim, PAGE))
-            s = s.view(ns, hkv, -1, PAGE) * scale
-            qr = qrow[sel_d]  # [ns, Hkv, G*TQ]
-            dist = kpos[None, None, None, :] - qr[..., None]  # key - query, <= 0 visible
-            visible = (dist <= 0) & (qr[..., None] >= 0) & kvalid[:, None, None, :]
-            if sliding_window is not None:
-                visible &= dist > -sliding_window
+            vp = torch.cat([vp, torch.ones_like(vp[..., :1])], dim=-1)
+            qs = qt if sel is None else qt.index_select(0, sel)
+            s = bmm(qs.reshape(ns * hkv, rows, dim), kp.permute(0, 2, 3, 1).reshape(ns * hkv, dim, PAGE))
+            s = s.view(ns, hkv, rows, PAGE) * scale
             if slopes is not None:
-                s = s + slopes[None, :, :, None] * dist.float()
+                s = s + slopes * dist
             s = s.masked_fill(~visible, float("-inf"))
-            m_old = m[sel_d]
+            m_old = m if sel is None else m.index_select(0, sel)
             m_new = torch.maximum(m_old, s.amax(-1))
             m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
             alpha = elementwise(torch.exp, m_old - m_safe)
             p = elementwise(torch.exp, s - m_safe[..., None])
-            l_sum[sel_d] = l_sum[sel_d] * alpha + p.sum(-1)
-            pv = torch.bmm(p.reshape(ns * hkv, -1, PAGE),
-                           vp.permute(0, 2, 1, 3).reshape(ns * hkv, PAGE, dim)).view(ns, hkv, -1, dim)
-            acc[sel_d] = acc[sel_d] * alpha[..., None] + pv
-            m[sel_d] = m_new
+            # p @ [V | 1]: the weighted values and, in the last column, the weights' sum, both
+            # by the fixed-order product (a CUDA sum's order changes with the tensor's size).
+            pv = bmm(p.reshape(ns * hkv, rows, PAGE),
+                     vp.permute(0, 2, 1, 3).reshape(ns * hkv, PAGE, dim + 1)).view(ns, hkv, rows, dim + 1)
+            if sel is None:
+                l_sum = l_sum * alpha + pv[..., dim]
+                acc = acc * alpha[..., None] + pv[..., :dim]
+                m = m_new
+            else:
+                l_sum[sel] = l_sum.index_select(0, sel) * alpha + pv[..., dim]
+                acc[sel] = acc.index_select(0, sel) * alpha[..., None] + pv[..., :dim]
+                m[sel] = m_new
         o = acc / l_sum[..., None]  # padded rows (nothing visible) are NaN and dropped
         o = o.view(nt, hkv, group, TILE_Q, dim).permute(0, 3, 1, 2, 4).reshape(nt * TILE_Q, hq, dim)
         out = torch.empty_like(q)
-        keep = real.view(-1).to(dev)
-        out.index_copy_(0, rows_d.view(-1)[keep], o[keep].to(q.dtype))
+        out.index_copy_(0, plan.rows[plan.keep], o[plan.keep].to(q.dtype))
         return out

@@ -33,6 +33,7 @@ its fast kernels.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -89,16 +90,41 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*lead, n)
 
 
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] for fixed-shape products: on CPU torch.bmm (its result
+    for one matrix depends only on the shapes), on CUDA the fixed-tile Triton kernel
+    (cuBLAS may change algorithm with the batch count)."""
+    if a.is_cuda:
+        from pagedllm.model_executor.layers.batch_invariant_cuda import bmm as cuda_bmm
+
+        return cuda_bmm(a, b)
+    return torch.bmm(a, b)
+
+
 def elementwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) for a transcendental elementwise fn, every element on the SIMD path on CPU.
 
-    The flat tensor is padded to a whole number of grains per thread: each thread then
-    gets whole grains, whole vectors, and no scalar remainder. (CUDA computes every element
-    with the same instruction, and needs none of this.)"""
+    PyTorch splits a flat tensor of n elements over k = min(threads, ceil(n / grain))
+    threads in chunks of ceil(n / k), and each chunk runs pairs of vectors, leaving the
+    remainder to the scalar loop. Padding n to a multiple of `_LANES` times every k that can
+    occur makes each chunk a whole number of vector pairs, so no element is ever on the
+    scalar path. (CUDA computes every element with the same instruction: nothing to do.)"""
     if not _state["on"] or x.is_cuda:
         return fn(x)
     flat = x.reshape(-1)
-    unit = _GRAIN * max(1, torch.get_num_threads())
+    unit = _pad_unit(torch.get_num_threads())
     total = max(unit, -(-flat.numel() // unit) * unit)
     padded = F.pad(flat, (0, total - flat.numel()))
     return fn(padded)[: flat.numel()].view(x.shape)
+
+
+_LANES = 128  # a multiple of two vectors of any CPU dtype (AVX-512 bf16: 2 x 32)
+
+
+def _pad_unit(threads: int) -> int:
+    """A length every possible chunking of which is whole vector pairs: _LANES times the
+    lcm of 1..threads, or (many threads) whole grains for each thread."""
+    lcm = 1
+    for k in range(2, threads + 1):
+        lcm = lcm * k // math.gcd(lcm, k)
+    return _LANES * lcm if _LANES * lcm < _GRAIN * threads else _GRAIN * threads
