@@ -105,7 +105,7 @@ class EngineConfig:
     device: str | None = None
     enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or to save their memory)
     # A request's logits (so its tokens and logprobs) are the same bits alone or in any
-    # batch, chunked or cached (model_executor/layers/batch_invariant.py). None: the
+    # batch, chunked or cached (pagedllm/batch_invariant.py). None: the
     # PAGEDLLM_BATCH_INVARIANT environment variable, off by default.
     batch_invariant: bool | None = None
     # Schedule and launch step N+1 before reading step N's tokens, so that the host's work

@@ -12,12 +12,11 @@ import torch
 import torch.nn.functional as F
 from hf_models import hf_greedy
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, batch_invariant
 from pagedllm.attention.batch_invariant import BatchInvariantAttention
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchPagedAttention
 from pagedllm.config import EngineConfig
-from pagedllm.model_executor.layers import batch_invariant
 
 
 def test_tiled_linear_rows_do_not_depend_on_the_batch():
@@ -224,7 +223,7 @@ def test_cuda_bf16_logprobs_are_bitwise_the_same_in_any_batch(tiny_models):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matmul_is_right_and_row_invariant(dtype):
-    from pagedllm.model_executor.layers.batch_invariant_cuda import matmul
+    from pagedllm.batch_invariant_cuda import matmul
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(1000, 576, generator=g, device="cuda").to(dtype)

@@ -7,7 +7,7 @@ query heads sharing a KV head stacked, so a tile is one fixed-shape matrix), key
 pages of `PAGE` absolute positions (0..PAGE-1, PAGE..2*PAGE-1, ...), and each page adds to
 an online softmax (running max, sum and weighted values) in page order. Every matmul has
 the same shape whatever the batch, so it runs the same kernel (see
-model_executor/layers/batch_invariant.py), and a page a query cannot see changes nothing
+pagedllm/batch_invariant.py), and a page a query cannot see changes nothing
 bit for bit (its weights are exp(-inf) = 0, its running max stays), so which pages a tile
 happens to walk makes no difference to any of its rows.
 
@@ -21,7 +21,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchPagedAttention
-from pagedllm.model_executor.layers.batch_invariant import bmm, elementwise
+from pagedllm.batch_invariant import bmm, elementwise
 
 TILE_Q = 4  # small: a decode pads its one query to a tile
 PAGE = 64

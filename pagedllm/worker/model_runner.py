@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
-from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.sampler import (
     SampledTensors,
     Sampler,

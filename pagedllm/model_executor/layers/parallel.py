@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import batch_invariant
 from pagedllm.distributed import all_gather, all_reduce, get_tp_rank, get_tp_world_size
-from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.sharding import ShardedWeights, read_block, shape_of
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedllm.model_executor.layers import batch_invariant
+from pagedllm import batch_invariant
 from pagedllm.model_executor.layers.sharding import check_shape, copy_block, read_block
 
 if TYPE_CHECKING:

@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata
 from pagedllm.distributed import get_tp_rank, get_tp_world_size
-from pagedllm.model_executor.layers import batch_invariant, fused_ops
+from pagedllm.model_executor.layers import fused_ops
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model_executor.layers.norm import RMSNorm
 from pagedllm.model_executor.layers.parallel import (

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import batch_invariant
 from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
-from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.layers.sharding import read_block, shape_of
 from pagedllm.model_executor.models.architectures import ARCHITECTURES

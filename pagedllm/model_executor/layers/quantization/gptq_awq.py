@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedllm import batch_invariant
 from pagedllm.distributed import get_tp_world_size
-from pagedllm.model_executor.layers import batch_invariant
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
 from pagedllm.model_executor.layers.quantization.packing import (
     awq_gemv_to_internal,

@@ -70,7 +70,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear computed as ceil(M / ROW_TILE) products of exactly ROW_TILE rows each."""
     if x.is_cuda:
-        from pagedllm.model_executor.layers.batch_invariant_cuda import matmul
+        from pagedllm.batch_invariant_cuda import matmul
 
         lead, k = x.shape[:-1], x.shape[-1]
         out = matmul(x.reshape(-1, k), weight)
@@ -95,7 +95,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for one matrix depends only on the shapes), on CUDA the fixed-tile Triton kernel
     (cuBLAS may change algorithm with the batch count)."""
     if a.is_cuda:
-        from pagedllm.model_executor.layers.batch_invariant_cuda import bmm as cuda_bmm
+        from pagedllm.batch_invariant_cuda import bmm as cuda_bmm
 
         return cuda_bmm(a, b)
     return torch.bmm(a, b)
