@@ -24,6 +24,7 @@ from pagedllm.entrypoints.bench_throughput import resolve_config
 from pagedllm.entrypoints.bench_workloads import (
     LLAMA2_7B_CONFIG,
     QWEN3_0_6B_CONFIG,
+    QWEN3_30B_A3B_CONFIG,
     WORKLOADS,
     length_range,
     random_dataset,
@@ -104,6 +105,13 @@ def test_roofline_matches_the_benchmark_notes():
 
     assert 12_000 < roof(LLAMA2_7B_CONFIG, "gpu-7b") < 14_000
     assert 33_000 < roof(QWEN3_0_6B_CONFIG, "gpu-0.6b") < 45_000
+    # MoE counts the experts a step reads: all 128 at 256 sequences (61 GB a step), 8 for
+    # one sequence (the bound for batch-1 decode: about 670 tok/s on an H200).
+    assert 12_000 < roof(QWEN3_30B_A3B_CONFIG, "gpu-moe") < 16_000
+    cfg = AutoConfig.for_model("qwen3_moe", **{k: v for k, v in QWEN3_30B_A3B_CONFIG.items()
+                                                if k != "model_type"})
+    one = roofline(cfg, 2, [128], [64], 1, H200.bandwidth_tbps, H200.matmul_tflops)
+    assert 600 < one["output_tokens_per_s"] < 750
 
 
 def test_ceilings_are_the_cards_own():

@@ -146,9 +146,10 @@ def ceilings(device: torch.device, device_name: str, peak_bandwidth: float | Non
 
 
 def model_shape(hf_config) -> dict[str, int]:
-    """Sizes the roofline needs, from a transformers config."""
+    """Sizes the roofline needs, from a transformers config (MoE: the experts' too)."""
     hidden = hf_config.hidden_size
     heads = hf_config.num_attention_heads
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
     return {
         "hidden": hidden,
         "layers": hf_config.num_hidden_layers,
@@ -157,26 +158,54 @@ def model_shape(hf_config) -> dict[str, int]:
         "head_dim": getattr(hf_config, "head_dim", None) or hidden // heads,
         "ffn": hf_config.intermediate_size,
         "vocab": hf_config.vocab_size,
+        "experts": experts,
+        "top_k": getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
+        "expert_ffn": (getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+        if experts else 0,
+        "shared_ffn": getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
     }
 
 
-def matmul_params(shape: dict[str, int]) -> int:
-    """Weights a decode step reads: every layer's projections plus the LM head (the input
-    embedding is a gather of a few rows, so it is left out; tied or not, the head is read)."""
+def distinct_experts(shape: dict[str, int], tokens: float) -> float:
+    """Experts a step's tokens route to, expected under uniform routing: each of E experts
+    is missed by one token's k choices with probability 1 - k/E."""
+    e, k = shape["experts"], shape["top_k"]
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def matmul_params(shape: dict[str, int], tokens: float = 1.0) -> int:
+    """Weights a decode step of `tokens` sequences reads: every layer's projections plus
+    the LM head (the input embedding is a gather of a few rows, so it is left out; tied or
+    not, the head is read). An MoE layer reads its router, its shared expert and only the
+    distinct experts the step's tokens route to."""
     h, d = shape["hidden"], shape["head_dim"]
     attn = h * d * (2 * shape["heads"] + 2 * shape["kv_heads"])
-    mlp = 3 * h * shape["ffn"]
-    return shape["layers"] * (attn + mlp) + shape["vocab"] * h
+    if shape.get("experts"):
+        mlp = (distinct_experts(shape, tokens) * 3 * h * shape["expert_ffn"]
+               + 3 * h * shape["shared_ffn"] + h * shape["experts"])
+    else:
+        mlp = 3 * h * shape["ffn"]
+    return int(shape["layers"] * (attn + mlp) + shape["vocab"] * h)
+
+
+def active_params(shape: dict[str, int]) -> int:
+    """Weights one token multiplies by (MoE: its k experts): what prefill FLOPs count."""
+    if not shape.get("experts"):
+        return matmul_params(shape) - shape["vocab"] * shape["hidden"]
+    h, d = shape["hidden"], shape["head_dim"]
+    attn = h * d * (2 * shape["heads"] + 2 * shape["kv_heads"])
+    mlp = shape["top_k"] * 3 * h * shape["expert_ffn"] + 3 * h * shape["shared_ffn"] + h * shape["experts"]
+    return shape["layers"] * (attn + mlp)
 
 
 def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: list[int],
              max_num_seqs: int, bandwidth_tbps: float, matmul_tflops: float) -> dict:
     """Seconds and output tokens/s at the ceilings, split into its three terms."""
     s = model_shape(hf_config)
-    params = matmul_params(s)
+    concurrent = max(1, min(len(output_lens), max_num_seqs))
+    params = matmul_params(s, concurrent)
     kv_bytes_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype_bytes
     total_out = sum(output_lens)
-    concurrent = max(1, min(len(output_lens), max_num_seqs))
     steps = max(max(output_lens), -(-total_out // concurrent))
     bw = bandwidth_tbps * 1e12
     weights_s = steps * params * dtype_bytes / bw
@@ -185,7 +214,7 @@ def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: li
     kv_s = kv_tokens * kv_bytes_per_token / bw
     # Prefill: 2 FLOPs per weight per token (the LM head only for the last token) and causal
     # attention (QK^T and PV, 2 FLOPs each per head dim per earlier position).
-    layer_params = params - s["vocab"] * s["hidden"]
+    layer_params = active_params(s)
     attn_per_pos = 4 * s["layers"] * s["heads"] * s["head_dim"]
     prefill_flops = sum(2 * layer_params * n + attn_per_pos * n * (n - 1) // 2 for n in input_lens)
     prefill_flops += 2 * s["vocab"] * s["hidden"] * len(input_lens)

@@ -377,9 +377,15 @@ def run_throughput(args: argparse.Namespace) -> dict:
                                 / results["hf"]["output_tokens_per_s"], 3)
     if ceil is not None:
         result["ceilings"] = ceil
-        roof = {"device_name": ceil["device_name"],
+        # The concurrency the page pool allows (a big model on a small card may hold fewer
+        # sequences than max_num_seqs at once), counted at the workload's mean length.
+        concurrency = args.max_num_seqs
+        if engine_info and engine_info.get("kv_tokens"):
+            mean_len = statistics.mean(len(p) + o for p, o in zip(data.prompts, data.output_lens, strict=True))
+            concurrency = max(1, min(concurrency, int(engine_info["kv_tokens"] // mean_len)))
+        roof = {"device_name": ceil["device_name"], "concurrency": concurrency,
                 **roofline(hf_config, torch.finfo(dtype).bits // 8,
-                           [len(p) for p in data.prompts], data.output_lens, args.max_num_seqs,
+                           [len(p) for p in data.prompts], data.output_lens, concurrency,
                            ceil["bandwidth_TBps"], ceil["matmul_TFLOPs"])}
         if "pagedllm" in results:
             roof["achieved_fraction"] = round(

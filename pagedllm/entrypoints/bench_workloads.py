@@ -57,6 +57,33 @@ QWEN3_0_6B_CONFIG: dict = {
     "torch_dtype": "bfloat16",
 }
 
+QWEN3_30B_A3B_CONFIG: dict = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -78,6 +105,8 @@ WORKLOADS: dict[str, Workload] = {
                        (256, 256), (256, 256), 64, 256),
     "gpu-0.6b": Workload("gpu-0.6b", QWEN3_0_6B_CONFIG, "dummy", "bfloat16", 256,
                          (100, 1024), (100, 1024), 256, 256),
+    "gpu-moe": Workload("gpu-moe", QWEN3_30B_A3B_CONFIG, "dummy", "bfloat16", 256,
+                        (256, 256), (256, 256), 64, 64),
     "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
                          (32, 256), (128, 128), 16, 16),
 }

@@ -26,6 +26,7 @@ from torch import nn
 
 from pagedllm import batch_invariant
 from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
+from pagedllm.model_executor.layers import fused_moe
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.layers.sharding import read_block, shape_of
 from pagedllm.model_executor.models.architectures import ARCHITECTURES
@@ -116,8 +117,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
+        if fused_moe.available(x) and not batch_invariant.is_enabled():
+            out = fused_moe.fused_experts(x, self.w13, self.w2, weights, ids)
+        else:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            out = (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
         if self.shared_expert is not None:
             # its row-parallel down_proj has already summed over the ranks
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -1,0 +1,206 @@
+"""Fused Mixture-of-Experts on CUDA (Triton): only the routed experts' weights are read, no
+host synchronisation and no data-dependent shapes, so the same kernels run eagerly and
+inside CUDA graphs.
+
+A step's T tokens each chose k experts: T*k (token, expert) pairs.
+
+1. `align_pairs` sorts the pairs by expert on the device and lays each expert's pairs out
+   in segments padded to a multiple of BLOCK_M, so that every block of BLOCK_M rows
+   belongs to one expert. The buffers have the worst case's size (T*k plus BLOCK_M - 1 of
+   padding per expert that can occur); how much of them is used is a device scalar the
+   kernels read, so nothing waits for the host and a CUDA graph can replay the step.
+2. `_gate_up_kernel`: one grouped GEMM over the blocks. A program takes one block (one
+   expert, BLOCK_M pairs gathered from x by token) and BLOCK_N columns of the expert's
+   intermediate size, multiplies by the gate and the up rows of that expert together (two
+   accumulators over the same x tile) and writes silu(gate) * up: the [T*k, 2I] gate|up
+   product never reaches memory.
+3. `_down_kernel`: the second grouped GEMM, [T*k, I] by each block's expert's down
+   projection, every row scaled by its routing weight.
+4. The k rows of a token are summed (a [T, k, H] reduction).
+
+Programs whose block lies past the used length return at once, so a decode step with 8
+pairs over 128 experts reads 8 experts' weights, not 128.
+
+Tile sizes come from `configs/fused_moe.json` (tuned per shape by
+benchmarks/tune_fused_moe.py on the card named there), else a heuristic by pairs per
+expert.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: callers check `available()`
+    triton = None
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "configs", "fused_moe.json")
+
+
+def available(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """(sorted pair ids [P] int32, expert of each block [P / block_m] int32, rows used [1]
+    int32), P = the worst-case padded length. Pair p is token p // k's j-th choice
+    (p = token * k + j); padding slots hold T*k (no pair)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    dev = flat.device
+    cap = pairs + min(num_experts, pairs) * (block_m - 1)
+    cap = -(-cap // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded  # where each expert's segment begins
+    first = torch.cumsum(counts, 0) - counts  # where each expert's pairs begin once sorted
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    rank = torch.arange(pairs, device=dev) - first[e_sorted]
+    sorted_ids = torch.full((cap,), pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, starts[e_sorted] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, cap, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, block_expert.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(X, W, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
+                        sxm, sxk, swe, swn, swk, som, son, IEEE: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BN)
+        blk = pid // n_tiles
+        pn = pid % n_tiles
+        if blk * BM >= tl.load(Used):
+            return
+        e = tl.load(BlockExpert + blk).to(tl.int64)
+        pair = tl.load(SortedIds + blk * BM + tl.arange(0, BM))
+        valid = pair < num_pairs
+        tok = (pair // top_k).to(tl.int64)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        a_ptr = X + tok[:, None] * sxm + rk[None, :] * sxk
+        g_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
+        u_ptr = g_ptr + N * swn
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kin = rk + k0 < H
+            a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
+            wmask = kin[:, None] & (rn[None, :] < N)
+            g = tl.load(g_ptr, mask=wmask, other=0.0)
+            u = tl.load(u_ptr, mask=wmask, other=0.0)
+            if IEEE:  # float32 weights: full precision (tl.dot's float32 default is TF32)
+                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, g, acc_g)
+                acc_u = tl.dot(a, u, acc_u)
+            a_ptr += BK * sxk
+            g_ptr += BK * swk
+            u_ptr += BK * swk
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        o_ptr = Out + pair[:, None].to(tl.int64) * som + rn[None, :] * son
+        tl.store(o_ptr, h.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+
+    @triton.jit
+    def _down_kernel(A, W, Out, SortedIds, BlockExpert, Used, Weights, num_pairs, K, N,
+                     sam, sak, swe, swn, swk, som, son, IEEE: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid = tl.program_id(0)
+        n_tiles = tl.cdiv(N, BN)
+        blk = pid // n_tiles
+        pn = pid % n_tiles
+        if blk * BM >= tl.load(Used):
+            return
+        e = tl.load(BlockExpert + blk).to(tl.int64)
+        pair = tl.load(SortedIds + blk * BM + tl.arange(0, BM))
+        valid = pair < num_pairs
+        rows = pair.to(tl.int64)
+        rn = pn * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        a_ptr = A + rows[:, None] * sam + rk[None, :] * sak
+        w_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kin = rk + k0 < K
+            a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
+            w = tl.load(w_ptr, mask=kin[:, None] & (rn[None, :] < N), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptr += BK * sak
+            w_ptr += BK * swk
+        wt = tl.load(Weights + rows, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
+        o_ptr = Out + rows[:, None] * som + rn[None, :] * son
+        tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+
+
+@functools.lru_cache(maxsize=1)
+def _tuned() -> dict:
+    try:
+        with open(CONFIG_FILE) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}"
+
+
+def pick_config(pairs: int, num_experts: int, hidden: int, inter: int, top_k: int) -> dict:
+    """Tile sizes for one call: the tuned entry for this shape at the nearest tuned token
+    count, else by the number of pairs each expert gets on average."""
+    table = _tuned().get(shape_key(num_experts, hidden, inter, top_k))
+    tokens = max(1, pairs // top_k)
+    counts = [t for t in (table or {}) if t.isdigit()]  # "_card": where it was tuned
+    if counts:
+        best = min(counts, key=lambda t: abs(int(t) - tokens))
+        return dict(table[best])
+    per_expert = pairs / num_experts
+    if per_expert <= 2:
+        return {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 3}
+    if per_expert <= 32:
+        return {"BM": 32, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
+    return {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for
+    x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = ids.shape[1]
+    pairs = tokens * top_k
+    cfg = config or pick_config(pairs, num_experts, hidden, inter, top_k)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+    ieee = x.dtype == torch.float32
+    sorted_ids, block_expert, used = align_pairs(ids, num_experts, bm)
+    blocks = sorted_ids.numel() // bm
+    h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
+        x, w13, h, sorted_ids, block_expert, used, pairs, hidden, inter, top_k,
+        *x.stride(), *w13.stride(), *h.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
+    out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+    flat_w = weights.reshape(-1)
+    _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
+        h, w2, out, sorted_ids, block_expert, used, flat_w, pairs, inter, hidden,
+        *h.stride(), *w2.stride(), *out.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
+    return out.view(tokens, top_k, hidden).sum(1)
