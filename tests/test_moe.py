@@ -154,10 +154,10 @@ def test_tp2_moe_equals_tp1(tiny_models):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_cuda_moe_with_graphs_matches_eager_and_hf(tiny_models, model_type):
-    """On CUDA, decode steps replay CUDA graphs, which take the every-expert path (no host
-    sync inside a capture); prefill takes the routed path. Both agree with transformers
+    """On CUDA every MoE layer runs the fused kernels (layers/fused_moe.py), replayed from
+    CUDA graphs in decode steps and eagerly in prefills: both agree with transformers
     (float32 on the CPU) and with the same engine run eagerly."""
     path, hf = tiny_models(model_type, **MOE[model_type])
     prompts = _prompts(6, seed=3)

@@ -85,6 +85,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="GPUs (or CPU processes) the model is split over (default 1)")
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="overlap scheduling with the device's step (default: on for one CUDA device)")
+    e.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="the engine's batch-invariant mode (what determinism costs)")
     e.add_argument("--disable-detokenize", action="store_true",
@@ -210,6 +212,7 @@ class EngineBackend:
             "enable_prefix_caching": args.enable_prefix_caching, "device": args.device,
             "async_scheduling": args.async_scheduling,
             "batch_invariant": args.batch_invariant,
+            "enforce_eager": bool(args.enforce_eager),
             "tensor_parallel_size": args.tensor_parallel_size,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }

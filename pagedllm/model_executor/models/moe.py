@@ -8,10 +8,18 @@ sum of the chosen experts' silu(gate) * up -> down, each scaled by its weight. Q
 adds a shared expert scaled by sigmoid(shared_expert_gate(x)); Qwen2/3-MoE keep a dense
 MLP in `mlp_only_layers` and in layers not on the `decoder_sparse_step`.
 
-Experts are stacked into two 3-D parameters per layer, so a step loops over experts, not
-tokens. Under tensor parallelism every expert is split like the dense MLP (its
-intermediate rows over the ranks, the router replicated), so every rank routes the same
-tokens to the same experts and the partial outputs are summed by one all-reduce.
+Experts are stacked into two 3-D parameters per layer. On CUDA a layer runs the fused
+kernels (layers/fused_moe.py: routed pairs sorted into per-expert blocks on the device, two
+grouped GEMMs), the same eagerly and inside CUDA graphs; on CPU (and in the batch-invariant
+mode) a step loops over the experts that got tokens. Under tensor parallelism every expert
+is split like the dense MLP (its intermediate rows over the ranks, the router
+replicated), so every rank routes the same tokens to the same experts and the partial
+outputs are summed by one all-reduce.
+
+Expert parallelism (whole experts per rank, tokens exchanged all-to-all) would slot in at
+`SparseMoeBlock.forward`: route, dispatch the pairs to the ranks owning their experts,
+run `fused_experts` on the local experts (it already takes any subset of expert weights
+with ids remapped), combine. Not built yet.
 """
 
 from __future__ import annotations
