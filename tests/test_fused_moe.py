@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from triton_device import DEV, INTERPRET  # first: skips this module without CUDA or the interpreter
 
-from pagedllm.model_executor.layers.fused_moe import align_pairs, fused_experts
+from pagedllm.model_executor.layers.fused_moe import align_pairs, fused_experts, route
 
 
 def _reference(x, w13, w2, weights, ids):
@@ -71,3 +71,28 @@ def test_align_pairs_gives_each_block_one_expert():
         assert len(real) > 0 and all(int(flat[r]) == int(block_expert[b]) for r in real)
     seen = sorted(int(r) for r in sorted_ids[:n_used] if r < pairs)
     assert seen == list(range(pairs))  # every pair exactly once, expert 4 has no block
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m", [(1, 8, 2, 16), (1, 128, 8, 16),
+                                                      (37, 16, 4, 32), (256, 128, 8, 16)])
+def test_the_one_kernel_alignment_equals_the_torch_one(tokens, experts, k, block_m):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.topk(torch.rand(tokens, experts, generator=g), k).indices.to(DEV)
+    a = align_pairs(ids, experts, block_m, one_kernel=True)
+    b = align_pairs(ids, experts, block_m, one_kernel=False)
+    used = int(b[2])
+    assert int(a[2]) == used
+    assert torch.equal(a[0][:used].cpu(), b[0][:used].cpu())
+    assert torch.equal(a[1][:used // block_m].cpu(), b[1][:used // block_m].cpu())
+
+
+@pytest.mark.parametrize("renormalise", [False, True])
+def test_route_is_transformers_routing(renormalise):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(13, 128, generator=g)
+    want_w, want_i = torch.topk(logits.softmax(-1), 8)
+    if renormalise:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    w, i = route(logits.to(DEV), 8, renormalise)
+    assert torch.equal(i.cpu().long(), want_i)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-6)

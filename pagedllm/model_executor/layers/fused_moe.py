@@ -47,15 +47,44 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
+SMALL_PAIRS = 4096  # up to this many pairs, one kernel aligns them (decode steps)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
+                one_kernel: bool | None = None) -> tuple[torch.Tensor, ...]:
     """(sorted pair ids [P] int32, expert of each block [P / block_m] int32, rows used [1]
     int32), P = the worst-case padded length. Pair p is token p // k's j-th choice
-    (p = token * k + j); padding slots hold T*k (no pair)."""
+    (p = token * k + j); padding slots hold T*k (no pair). `one_kernel`: None picks the
+    single-kernel path on CUDA for up to SMALL_PAIRS pairs, torch ops otherwise."""
+    pairs = ids.numel()
+    cap = pairs + min(num_experts, pairs) * (block_m - 1)
+    cap = -(-cap // block_m) * block_m
+    if one_kernel is None:
+        one_kernel = triton is not None and ids.is_cuda and pairs <= SMALL_PAIRS
+    if one_kernel:
+        dev = ids.device
+        sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+        used = torch.empty(1, dtype=torch.int32, device=dev)
+        eb = _pow2(num_experts + 1)
+        scratch = torch.empty(eb, dtype=torch.int32, device=dev)
+        pb = max(16, _pow2(pairs))
+        _align_small_kernel[(1,)](ids.reshape(-1), sorted_ids, block_expert, used, scratch, pairs,
+                                  num_experts, cap, BM=block_m, PB=pb, EB=eb,
+                                  NB=max(16, _pow2(cap // block_m)), num_warps=8)
+        return sorted_ids, block_expert, used
+    return _align_with_torch(ids, num_experts, block_m, cap)
+
+
+def _align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int, cap: int) -> tuple[torch.Tensor, ...]:
+    """align_pairs in torch ops (any device; many pairs): still no host synchronisation."""
     flat = ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     dev = flat.device
-    cap = pairs + min(num_experts, pairs) * (block_m - 1)
-    cap = -(-cap // block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -148,6 +177,57 @@ if triton is not None:
         o_ptr = Out + rows[:, None] * som + rn[None, :] * son
         tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
+    @triton.jit
+    def _align_small_kernel(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP,
+                            BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
+                            NB: tl.constexpr):
+        """align_pairs in one program, for up to PB pairs: a histogram of the experts, the
+        padded segment of each, one sort of (expert, pair) keys and a scatter."""
+        offs = tl.arange(0, PB)
+        valid = offs < P
+        e = tl.load(Ids + offs, mask=valid, other=E).to(tl.int32)  # no pair: bucket E
+        eb = tl.arange(0, EB)
+        counts = tl.where(eb < E, tl.histogram(e, EB), 0)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        first = tl.cumsum(counts, 0) - counts
+        tl.store(Scratch + eb, ends - padded - first)  # sorted index -> padded slot shift
+        tl.store(Used, tl.sum(padded, 0))
+        for c0 in range(0, CAP, PB):
+            tl.store(SortedIds + c0 + offs, P, mask=c0 + offs < CAP)
+        nb = tl.arange(0, NB)
+        expert = tl.sum((ends[None, :] <= (nb * BM)[:, None]).to(tl.int32), 1)
+        tl.store(BlockExpert + nb, tl.minimum(expert, E - 1), mask=nb * BM < CAP)
+        tl.debug_barrier()
+        key = tl.sort(e * PB + offs)  # by expert, then by pair: stable
+        se = key // PB
+        shift = tl.load(Scratch + se, mask=se < E, other=0)
+        tl.store(SortedIds + shift + offs, key % PB, mask=se < E)
+
+    @triton.jit
+    def _route_kernel(Logits, Weights, Ids, E, stride, K: tl.constexpr, EB: tl.constexpr,
+                      RENORM: tl.constexpr):
+        """Softmax over one token's router logits in float32, its top K, and (RENORM) the
+        K weights divided by their sum: transformers' routing in one kernel."""
+        t = tl.program_id(0).to(tl.int64)
+        eb = tl.arange(0, EB)
+        x = tl.load(Logits + t * stride + eb, mask=eb < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = p / tl.sum(p, 0)
+        left = tl.where(eb < E, p, -1.0)
+        total = 0.0
+        for j in tl.static_range(K):
+            best = tl.max(left, 0)
+            idx = tl.min(tl.where(left == best, eb, EB), 0)  # the lowest index among ties
+            tl.store(Weights + t * K + j, best)
+            tl.store(Ids + t * K + j, idx)
+            total += best
+            left = tl.where(eb == idx, -1.0, left)
+        if RENORM:
+            kk = tl.arange(0, K)
+            w = tl.load(Weights + t * K + kk)
+            tl.store(Weights + t * K + kk, w / total)
+
 
 @functools.lru_cache(maxsize=1)
 def _tuned() -> dict:
@@ -177,6 +257,18 @@ def pick_config(pairs: int, num_experts: int, hidden: int, inter: int, top_k: in
     if per_expert <= 32:
         return {"BM": 32, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
     return {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3}
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights [T, k], int32 expert ids [T, k]) from router logits [T, E]: softmax
+    in float32, top k, optionally renormalised to sum to one, in one kernel."""
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), K=top_k,
+                                 EB=_pow2(experts), RENORM=renormalise)
+    return weights, ids
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -85,6 +85,9 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) as transformers computes them."""
+        if fused_moe.available(x) and not batch_invariant.is_enabled():
+            weights, ids = fused_moe.route(self.gate(x), self.top_k, self.norm_topk_prob)
+            return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
         probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
