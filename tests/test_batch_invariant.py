@@ -199,15 +199,20 @@ def test_a_seeded_request_is_the_same_beside_every_kind_of_neighbour(engines):
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_logprobs_are_bitwise_the_same_in_any_batch(tiny_models):
-    """On CUDA in bfloat16 (the fixed-tile Triton matmul, the paged attention's products
-    through it): alone, on an engine that computes prompts whole, against batches of 1..64
-    on one that chunks them and caches prefixes."""
-    path, _ = tiny_models("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_cuda_bf16_logprobs_are_bitwise_the_same_in_any_batch(tiny_models, arch):
+    """On CUDA in bfloat16, decode steps replayed from CUDA graphs (the fixed-tile Triton
+    matmul, one attention tile shape for decodes and prefills, the fused MoE at one
+    configuration): alone, on an engine that computes prompts whole, against batches of
+    1..64 on one that chunks them and caches prefixes."""
+    extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 norm_topk_prob=True) if arch == "qwen3_moe" else {}
+    path, _ = tiny_models(arch, **extra)
     kw = dict(model=path, skip_tokenizer_init=True, batch_invariant=True, dtype="bfloat16",
               device="cuda", block_size=16, num_kv_blocks=1024)
     whole = LLM(**kw, max_num_batched_tokens=4096, enable_prefix_caching=False)
     chunked = LLM(**kw, max_num_batched_tokens=32, enable_prefix_caching=True)
+    assert chunked.engine.executor.runner.graphs is not None
     shared = _prompts(1, seed=7)[0][:40]
     prompts = _prompts(32, seed=2) + _prompts(32, seed=3, prefix=shared)
     alone = {i: _record(whole.generate([{"prompt_token_ids": prompts[i]}], GREEDY)[0])

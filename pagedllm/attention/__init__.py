@@ -17,6 +17,13 @@ def get_attention_backend(device: torch.device, batch_invariant: bool = False):
     PAGEDLLM_ATTENTION_BACKEND=torch|triton forces one. The batch-invariant mode has a
     backend of its own (attention/batch_invariant.py)."""
     if batch_invariant:
+        if device.type == "cuda":
+            try:
+                from pagedllm.attention.triton_backend import TritonInvariantAttention
+            except ImportError:
+                pass
+            else:
+                return TritonInvariantAttention
         from pagedllm.attention.batch_invariant import BatchInvariantAttention
 
         return BatchInvariantAttention

@@ -142,6 +142,7 @@ def _pow2(x: int) -> int:
 class TritonPagedAttention:
     name = "triton"
     supports_alibi = True
+    graph_safe = True  # nothing in a launch reads the host: decode steps can be captured
     BLOCK_M_PREFILL = 64
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
     DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
@@ -190,4 +191,49 @@ class TritonPagedAttention:
             _paged_attention_kernel[(meta.num_prefill_tiles, hkv)](
                 *args, meta.prefill_tiles[0], meta.prefill_tiles[1], slopes, TILE_Q=tq,
                 BLOCK_M=max(16, _pow2(tq * group)), DIRECT=False, **common, **cls.PREFILL_LAUNCH)
+        return out
+
+
+class TritonInvariantAttention(TritonPagedAttention):
+    """The same kernel for the batch-invariant mode: decodes and prefill tiles launch it
+    with one tile shape (BLOCK_M rows, the same key block, warps and stages), so a query's
+    row is computed by the same instructions whether it is a decode or a prefill row, in
+    whatever tile. Keys are walked from position 0 in BLOCK_N steps either way, and a key
+    block a row cannot see changes nothing in it bit for bit (its weights are exp2(-inf)),
+    so neither the tile's other rows nor where its walk ends make a difference. A decode
+    pays for a 64-row tile holding one query's heads: the cost of the guarantee."""
+
+    name = "triton_invariant"
+    BLOCK_M = 64
+
+    @classmethod
+    def tile_q(cls, group: int) -> int:
+        return max(1, cls.BLOCK_M // group)
+
+    @classmethod
+    def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
+        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        hq, dim = q.shape[1], q.shape[2]
+        hkv = k.shape[1]
+        common = dict(
+            scale_log2=scale * 1.4426950408889634, window=sliding_window or 0,
+            WINDOW=sliding_window is not None,
+            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+            stride_bt=meta.block_tables.stride(0),
+            GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
+            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, BLOCK_M=cls.BLOCK_M,
+            **pdl.kernel_options(q), **cls.PREFILL_LAUNCH,
+        )
+        args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
+        slopes = q if alibi_slopes is None else alibi_slopes
+        if meta.num_decode:
+            _paged_attention_kernel[(meta.num_decode, hkv)](
+                *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, DIRECT=True, **common)
+        if meta.num_prefill_tiles:
+            _paged_attention_kernel[(meta.num_prefill_tiles, hkv)](
+                *args, meta.prefill_tiles[0], meta.prefill_tiles[1], slopes,
+                TILE_Q=meta.prefill_tile_q, DIRECT=False, **common)
         return out

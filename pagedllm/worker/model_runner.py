@@ -183,7 +183,7 @@ class ModelRunner:
         _, arrays, _ = self._layout(chunks)
         self._update_states(SchedulerOutput(finished_req_ids=[c.request_id for c in chunks]))
         ids, pos, meta = self._metadata(arrays, 0)
-        with torch.inference_mode():
+        with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             h = self.model(ids, pos, self.kv_caches, meta)
             self.model.compute_logits(h[-min(num_tokens, 256):])
         torch.cuda.synchronize()
@@ -195,12 +195,13 @@ class ModelRunner:
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode steps as CUDA graphs (needs the graph-safe Triton backend)."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.backend.name != "triton":
+        if (self.device.type != "cuda" or self.config.enforce_eager
+                or not getattr(self.backend, "graph_safe", False)):
             return
         from pagedllm.worker.cuda_graphs import DecodeGraphs
 
         max_blocks = -(-self.max_model_len // self.block_size)
-        with torch.inference_mode():
+        with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        min(max_num_seqs, 256), max_blocks)
 

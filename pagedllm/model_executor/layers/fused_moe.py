@@ -271,10 +271,18 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
+# The batch-invariant mode's one configuration: a pair's row is then the same K-ordered
+# sum in any batch (the tuned tiles change with the token count).
+INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+                  ids: torch.Tensor, config: dict | None = None, invariant: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for
-    x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. `invariant`: one
+    fixed tile configuration and the k rows summed in order (batch-invariant mode)."""
+    if invariant:
+        config = INVARIANT_CONFIG
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -295,4 +303,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
         h, w2, out, sorted_ids, block_expert, used, flat_w, pairs, inter, hidden,
         *h.stride(), *w2.stride(), *out.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
-    return out.view(tokens, top_k, hidden).sum(1)
+    rows = out.view(tokens, top_k, hidden)
+    if not invariant:
+        return rows.sum(1)
+    total = rows[:, 0]
+    for j in range(1, top_k):  # in order: a reduction kernel's split depends on the size
+        total = total + rows[:, j]
+    return total

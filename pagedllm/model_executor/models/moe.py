@@ -85,7 +85,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) as transformers computes them."""
-        if fused_moe.available(x) and not batch_invariant.is_enabled():
+        if fused_moe.available(x):  # per token in one program: batch-invariant as it is
             weights, ids = fused_moe.route(self.gate(x), self.top_k, self.norm_topk_prob)
             return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
         probs = F.softmax(self.gate(x).float(), dim=-1)
@@ -128,8 +128,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if fused_moe.available(x) and not batch_invariant.is_enabled():
-            out = fused_moe.fused_experts(x, self.w13, self.w2, weights, ids)
+        if fused_moe.available(x):
+            out = fused_moe.fused_experts(x, self.w13, self.w2, weights, ids,
+                                          invariant=batch_invariant.is_enabled())
         else:
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
             out = (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
