@@ -76,6 +76,29 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(num * base ** "_kmgt".index(unit or "_"))
 
 
+def rope_scaling_of(hf_config) -> dict:
+    """The rope scaling a model config names, from transformers 4.x (`rope_scaling`) or 5.x
+    (`rope_parameters`) spellings, its type under `rope_type` ("default": none)."""
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def model_max_positions(hf_config) -> int:
+    """The longest context the model's positions are meant for: max_position_embeddings,
+    except that YaRN reaches its original length times its factor where the config names a
+    shorter limit (Qwen2.5 keeps max_position_embeddings at the pretrained 32768 and the
+    user adds rope_scaling yarn, factor 4, to serve 131072, as vLLM derives it). Llama 3.1
+    (llama3) and Phi-3 (longrope) already name the extended length; linear configs usually
+    do too, and dynamic NTK is exact only up to max_position_embeddings (see resolve)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+    rope = rope_scaling_of(hf_config)
+    if rope["rope_type"] == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+        limit = max(limit, int(rope["original_max_position_embeddings"] * rope["factor"]))
+    return limit
+
+
 # One `org/name` (letters, digits, '-', '_', '.'), as the Hub spells repo ids. A path
 # with more components, a leading '/', '.' or '~' is a local path and never an id.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
@@ -214,10 +237,19 @@ class EngineConfig:
             return self
         device = self.device or ("cuda" if cuda_available else "cpu")
         kind = device.split(":")[0]
-        limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+        limit = model_max_positions(hf_config)
         max_model_len = self.max_model_len or limit
         if max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+            why = ""
+            if rope_scaling_of(hf_config)["rope_type"] == "dynamic":
+                # transformers recomputes dynamic NTK frequencies from the current length
+                # once it passes max_position_embeddings, for new tokens only: keys already
+                # in a cache keep the old rotation, so no paged cache can match it there.
+                # Below that length the frequencies are the unscaled ones, served exactly.
+                why = (" (dynamic NTK rope scaling changes its frequencies with the sequence "
+                       "length past max_position_embeddings; pagedllm serves it up to there)")
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} "
+                             f"positions{why}")
         if self.dtype != "auto":
             dtype = dtype_name(self.dtype)
         elif kind != "cuda":
