@@ -24,6 +24,19 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # CPU pool when the user sets nothing: 2 
 # compute-bound; a CPU step is bound by the weights anyway, and smaller steps keep
 # streams flowing.
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+# Prompt tokens one step may compute while decodes run, when the user sets none
+# (pagedllm/core/scheduler.py). Every running stream waits for each step, so a step that
+# carries a prompt chunk delays all of them by the chunk's cost. Measured with 64 streams
+# and a 32k prompt (benchmarks/results/2026-12-05-gpu-h100-long-prefill-itl-1b3d3a2.json):
+# on one H100 with Llama-3.1-8B's shape a decode step takes 9.6 ms; whole-budget steps
+# (8192 tokens) take 305 ms (655 ms at the prompt's end, attention over 32k keys), so
+# every stream stalls for 1.8 s. Chunks of 512 take 36 ms a step (most of it the step
+# running eagerly rather than from a CUDA graph: 256 still takes 30 ms) and read the
+# prompt in 2.3 s against 1.8 s alone; 1024 doubles the step (63 ms) to save 0.3 s, 256
+# more than doubles the prompt's time. On the 2-core CPU (SmolLM2, 64 streams) 256 keeps a
+# step within 2.7x of a decode step (415 vs 152 ms) and the prompt within 1.5x of its
+# time without streams beside it; 128 gives 2x and 2.1x.
+DEFAULT_PREFILL_TOKENS_WITH_DECODES = {"cuda": 512, "cpu": 256}
 DEFAULT_MAX_POSITIONS = 2048  # a model config that names no limit
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                 "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -63,6 +76,29 @@ def parse_bytes(value: str | int | float | None) -> int | None:
     return int(num * base ** "_kmgt".index(unit or "_"))
 
 
+def rope_scaling_of(hf_config) -> dict:
+    """The rope scaling a model config names, from transformers 4.x (`rope_scaling`) or 5.x
+    (`rope_parameters`) spellings, its type under `rope_type` ("default": none)."""
+    params = dict(getattr(hf_config, "rope_parameters", None)
+                  or getattr(hf_config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def model_max_positions(hf_config) -> int:
+    """The longest context the model's positions are meant for: max_position_embeddings,
+    except that YaRN reaches its original length times its factor where the config names a
+    shorter limit (Qwen2.5 keeps max_position_embeddings at the pretrained 32768 and the
+    user adds rope_scaling yarn, factor 4, to serve 131072, as vLLM derives it). Llama 3.1
+    (llama3) and Phi-3 (longrope) already name the extended length; linear configs usually
+    do too, and dynamic NTK is exact only up to max_position_embeddings (see resolve)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+    rope = rope_scaling_of(hf_config)
+    if rope["rope_type"] == "yarn" and rope.get("factor") and rope.get("original_max_position_embeddings"):
+        limit = max(limit, int(rope["original_max_position_embeddings"] * rope["factor"]))
+    return limit
+
+
 # One `org/name` (letters, digits, '-', '_', '.'), as the Hub spells repo ids. A path
 # with more components, a leading '/', '.' or '~' is a local path and never an id.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]$")
@@ -88,6 +124,13 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    # While any sequence decodes, the prompt tokens of one step stay within this, so that a
+    # long prompt is read in chunks that keep the streams' inter-token latency steady; with
+    # no decode running a prompt gets the whole budget. None: the device's default
+    # (DEFAULT_PREFILL_TOKENS_WITH_DECODES); 0: no cap beyond the budget. Unlike vLLM's
+    # long_prefill_token_threshold, which caps each long prompt's chunk in every step, this
+    # caps a step's prompt tokens together, and only while decodes share the step.
+    max_prefill_tokens_with_decodes: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -150,6 +193,10 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 (or None for the default), "
                                  f"got {value!r}")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and (not isinstance(cap, int) or cap < 0):
+            raise ValueError("max_prefill_tokens_with_decodes must be an integer >= 0 (0: no "
+                             f"cap; None for the default), got {cap!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -182,17 +229,27 @@ class EngineConfig:
 
     def resolve(self, hf_config, cuda_available: bool) -> EngineConfig:
         """A copy with every default filled once, from the model's config and the device:
-        device, dtype, max_model_len, max_num_batched_tokens and async_scheduling. The
+        device, dtype, max_model_len, max_num_batched_tokens,
+        max_prefill_tokens_with_decodes and async_scheduling. The
         engine, its workers, executors and `pagedllm plan` read these values and decide
         nothing again. Raises ValueError for a setting the model cannot take."""
         if self.resolved:
             return self
         device = self.device or ("cuda" if cuda_available else "cpu")
         kind = device.split(":")[0]
-        limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
+        limit = model_max_positions(hf_config)
         max_model_len = self.max_model_len or limit
         if max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} positions")
+            why = ""
+            if rope_scaling_of(hf_config)["rope_type"] == "dynamic":
+                # transformers recomputes dynamic NTK frequencies from the current length
+                # once it passes max_position_embeddings, for new tokens only: keys already
+                # in a cache keep the old rotation, so no paged cache can match it there.
+                # Below that length the frequencies are the unscaled ones, served exactly.
+                why = (" (dynamic NTK rope scaling changes its frequencies with the sequence "
+                       "length past max_position_embeddings; pagedllm serves it up to there)")
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {limit} "
+                             f"positions{why}")
         if self.dtype != "auto":
             dtype = dtype_name(self.dtype)
         elif kind != "cuda":
@@ -202,6 +259,9 @@ class EngineConfig:
             named = str(named).replace("torch.", "") if named is not None else ""
             dtype = named if named in ("float16", "bfloat16") else "bfloat16"
         budget = self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(kind, 2048)
+        prefill_cap = self.max_prefill_tokens_with_decodes
+        if prefill_cap is None:
+            prefill_cap = DEFAULT_PREFILL_TOKENS_WITH_DECODES.get(kind, 256)
         one_device = self.tensor_parallel_size == 1 and self.distributed_executor_backend is None
         asyn = self.async_scheduling
         if asyn is None:  # overlap needs a device that computes apart from the host
@@ -212,6 +272,7 @@ class EngineConfig:
             invariant = flag in ("1", "true", "yes", "on")
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len,
                        max_num_batched_tokens=budget, async_scheduling=asyn,
+                       max_prefill_tokens_with_decodes=prefill_cap,
                        batch_invariant=invariant, resolved=True)
 
     @property

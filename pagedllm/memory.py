@@ -32,3 +32,16 @@ def cpu_num_blocks(kv_cache_memory_bytes: int | None, bytes_per_block: int, max_
 def gpu_num_blocks(total_bytes: int, utilization: float, peak_bytes: int, bytes_per_block: int) -> int:
     """GPU pool: what is left of `utilization` of the device after the profiled peak."""
     return blocks_for_bytes(int(total_bytes * utilization - peak_bytes), bytes_per_block)
+
+
+def full_length_sequences(pool_tokens: int, max_model_len: int) -> str:
+    """How many sequences of max_model_len tokens the KV pool holds, in words: the figure
+    a long-context deployment is sized by (`pagedllm plan`, the server's start-up banner,
+    the engine's start-up log). Below one, the longest requests are refused."""
+    n = pool_tokens / max_model_len
+    count = f"{n:.2f}".rstrip("0").rstrip(".") if n >= 0.01 else f"{n:.2g}"
+    noun = "sequence" if count == "1" else "sequences"
+    text = f"the KV pool holds {count} {noun} of {max_model_len} tokens (max_model_len)"
+    if n < 1:
+        text += f"; a request needing more than its {pool_tokens} tokens is refused"
+    return text

@@ -5,7 +5,9 @@ or leaked (ref counts equal table membership, free + owned = pool), the token bu
 the sequence cap hold, and in the end every request finishes and the pool is whole. With
 `lookahead` each step is scheduled before the previous one's tokens come back, as async
 scheduling does. The scheduler outputs are also replayed into the worker's `BlockTables`,
-whose copy of every running request's table must equal the block manager's.
+whose copy of every running request's table must equal the block manager's. With a prefill
+cap, every step whose budget holds its decodes gives each of them its token, keeps the
+prompt tokens within the cap while any decode runs, and moves a running prompt on.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ workload = st.fixed_dictionaries({
     "requests": st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(0, 3)),
                          min_size=1, max_size=12),
     "lookahead": st.booleans(),
+    "prefill_cap": st.integers(0, 12),
 })
 
 
@@ -51,7 +54,7 @@ workload = st.fixed_dictionaries({
 def test_scheduler_invariants(w):
     kv = KVCacheManager(w["num_blocks"], w["block_size"], w["caching"])
     max_len = 64
-    sched = Scheduler(kv, w["max_seqs"], w["budget"], max_len)
+    sched = Scheduler(kv, w["max_seqs"], w["budget"], max_len, w["prefill_cap"])
     rng = random.Random(w["seed"])
     shared = [rng.randrange(50) for _ in range(30)]  # common prefix to exercise sharing
     reqs = []
@@ -70,7 +73,16 @@ def test_scheduler_invariants(w):
     for _ in range(5000):
         if not sched.has_unfinished() and in_flight is None:
             break
+        # What each running request could compute now, and whether that is a decode. One
+        # prompt is read at a time, behind every decode (so decodes come first in a step).
+        reading = [i for i, r in enumerate(sched.running) if sched._prefilling(r)]
+        assert reading in ([], [len(sched.running) - 1])
+        decoding = {r.request_id: sched._to_compute(r) for r in sched.running
+                    if not sched._prefilling(r)}
+        prompts_running = any(sched._prefilling(r) and sched._to_compute(r)
+                              for r in sched.running)
         out = sched.schedule()
+        check_prefill_cap(out, decoding, prompts_running, w["budget"], w["prefill_cap"])
         assert out.num_batched_tokens <= w["budget"]
         assert sum(c.num_tokens for c in out.chunks) == out.num_batched_tokens
         assert len(sched.running) <= w["max_seqs"]
@@ -109,6 +121,21 @@ def test_scheduler_invariants(w):
     out = sched.schedule()  # delivers the last finished ids
     worker.update(out.finished_req_ids, out.chunks)
     assert len(worker) == 0 and not worker.num_blocks.any() and not worker.table.any()
+
+
+def check_prefill_cap(out, decoding: dict[str, int], prompts_running: bool, budget: int,
+                      cap: int) -> None:
+    if out.num_preemptions:
+        return  # a preempted decode gets no token: the pool ran dry
+    sizes = {c.request_id: c.num_tokens for c in out.chunks}
+    decode_tokens = sum(decoding.values())
+    prompt_tokens = sum(n for rid, n in sizes.items() if rid not in decoding)
+    if decode_tokens <= budget:
+        assert all(sizes.get(rid) == n for rid, n in decoding.items() if n)
+    if cap and decode_tokens:
+        assert prompt_tokens <= cap
+    if prompts_running and decode_tokens < budget:
+        assert prompt_tokens > 0  # a prompt being read is never starved
 
 
 def test_prefix_blocks_shared_and_refcounted():

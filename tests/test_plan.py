@@ -1,10 +1,14 @@
-"""`pagedllm plan` gives the pool the engine itself builds, without loading weights."""
+"""`pagedllm plan` gives the pool the engine itself builds, without loading weights, and
+both say in words how many full-length sequences it holds."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.plan import count_parameters, plan_rows
 
 
@@ -39,3 +43,37 @@ def test_plan_gpu_memory_shrinks_with_utilization(tiny_models):
     _, hi = plan_rows(path, gpu_memory=1.0, gpu_memory_utilization=0.9)
     _, lo = plan_rows(path, gpu_memory=1.0, gpu_memory_utilization=0.5)
     assert hi[1].kv_blocks > lo[1].kv_blocks > 0
+
+
+def _pool_sentence(text: str, max_len: int) -> float:
+    m = re.search(rf"the KV pool holds ([\d.]+) sequences? of {max_len} tokens \(max_model_len\)", text)
+    assert m, text
+    return float(m[1])
+
+
+def test_plan_and_engine_say_how_many_full_length_sequences_fit(tiny_models, capsys):
+    """Both state the pool in full-length sequences, with the same words and number, and
+    the number is the engine's pool over max_model_len."""
+    path, _ = tiny_models("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, max_model_len=256, block_size=8,
+              kv_cache_memory=3_000_000)
+    said = llm.engine.describe()["kv_pool"]
+    pool = llm.engine.kv.num_blocks * 8
+    assert _pool_sentence(said, 256) == pytest.approx(pool / 256, abs=0.005)
+    args = cli.build_parser().parse_args(["plan", path, "--max-model-len", "256", "--block-size",
+                                          "8", "--kv-cache-memory", "3000000"])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert f"float32: {said}\n" in printed  # the engine computes in float32 on CPU
+
+
+def test_a_pool_shorter_than_max_model_len_says_what_is_refused(tiny_models):
+    path, _ = tiny_models("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, max_model_len=256, block_size=8,
+              num_kv_blocks=16)
+    said = llm.engine.describe()["kv_pool"]
+    assert _pool_sentence(said, 256) == 0.5
+    assert said.endswith("a request needing more than its 128 tokens is refused")
+    with pytest.raises(ValueError, match="whole pool holds 128"):
+        llm.generate({"prompt_token_ids": list(range(100))}, SamplingParams(max_tokens=100))
+    llm.generate({"prompt_token_ids": list(range(100))}, SamplingParams(max_tokens=28))

@@ -71,7 +71,8 @@ def _sse_lines(response: httpx.Response) -> list[str]:
 def test_startup_prints_what_to_tune(server: Server):
     log = server.log.read_text()
     for expected in (FILE_NAME, "dtype ", f"{NUM_BLOCKS} blocks x 16 tokens",
-                     f"{NUM_BLOCKS * 16} tokens", f"max_model_len {MAX_LEN}",
+                     f"{NUM_BLOCKS * 16} tokens",
+                     f"the KV pool holds {NUM_BLOCKS * 16 // MAX_LEN} sequences of {MAX_LEN} tokens",
                      "max_num_batched_tokens", f"{server.url}/v1", "API key required"):
         assert expected in log, f"{expected!r} missing from the startup output:\n{log}"
     assert API_KEY not in log

@@ -6,6 +6,17 @@ and a cap on running sequences (`max_num_seqs`). A prompt that does not fit the 
 budget is chunked. When the page pool runs dry the newest running request is preempted:
 its blocks are freed and it is recomputed later (prefix caching makes that cheap).
 
+One prompt is read at a time (vLLM's `max_num_partial_prefills` of 1): a waiting request is
+admitted only into budget that the one before it left, so the running list holds at most
+one unfinished prompt, the newest, and every decode comes before it in a step. While any
+decode runs, the prompt tokens of a step stay within `max_prefill_tokens_with_decodes`: a
+step's time grows with the prompt tokens it carries, and each step is one more token for
+every running stream, so a 32k prompt arriving among 64 streams is read in chunks of that
+size instead of stalling all 64 for whole-budget steps. With no decode running the whole
+budget goes to the prompt (a lone long prompt is read at full speed). The cap is at least
+one token, so a prompt moves on in every step whose budget exceeds its decodes (the
+defaults' budgets are several times `max_num_seqs`).
+
 The output is plain data so it can be sent to worker processes unchanged. It is a delta:
 a request's sampling state travels once (NewRequestData), its block table once per
 admission (the first chunk after it is admitted or resumed), and each later chunk carries
@@ -81,11 +92,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_prefill_tokens_with_decodes: int = 0,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        # Prompt tokens a step may compute while decodes run; 0: no cap beyond the budget.
+        if max_prefill_tokens_with_decodes < 0:
+            raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap), got "
+                             f"{max_prefill_tokens_with_decodes}")
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -151,21 +168,42 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(req)
 
+    def _to_compute(self, req: Request) -> int:
+        """Tokens a running request could compute now: its known tokens not yet in the
+        cache, plus the ones sampled by steps in flight; 0 when its last token is in flight."""
+        end = req.num_tokens + req.num_pending  # pending tokens can be computed already
+        if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
+                                or end >= self.max_model_len):
+            return 0
+        return end - req.num_computed_tokens
+
+    @staticmethod
+    def _prefilling(req: Request) -> bool:
+        """Reading tokens it already had: its prompt, or after a preemption its prompt and
+        all but the last of its outputs again. A decode computes only what it sampled."""
+        return (req.num_computed_tokens < req.num_prompt_tokens
+                or req.num_computed_tokens + 1 < req.num_tokens)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
+        # Prompt tokens this step may still take: the cap if any sequence decodes in it.
+        cap = self.max_prefill_tokens_with_decodes
+        decoding = any(not self._prefilling(r) and self._to_compute(r) for r in self.running)
+        prefill_left = cap if cap and decoding else budget
+
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            end = req.num_tokens + req.num_pending  # pending tokens can be computed already
-            if req.num_pending and (req.num_output_tokens + req.num_pending >= req.max_tokens
-                                    or end >= self.max_model_len):
+            want = self._to_compute(req)
+            if want == 0:
                 i += 1  # its last token is in flight: nothing left to compute
                 continue
-            n = min(end - req.num_computed_tokens, budget)
+            prefill = self._prefilling(req)
+            n = min(want, budget, prefill_left if prefill else budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -175,15 +213,18 @@ class Scheduler:
             else:
                 scheduled.append((req, n))
                 budget -= n
+                if prefill:
+                    prefill_left -= n
                 i += 1
 
         if out.num_preemptions == 0:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (self.waiting and budget > 0 and prefill_left > 0
+                   and len(self.running) < self.max_num_seqs):
                 req = self.waiting[0]
                 if req.num_pending:
                     break  # preempted with a token in flight: its prefill needs that token's id
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_hit_tokens, budget)
+                n = min(req.num_tokens - num_hit_tokens, budget, prefill_left)
                 if not self.kv.allocate_slots(req, n, hits):
                     break
                 self.waiting.popleft()
@@ -195,6 +236,7 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append((req, n))
                 budget -= n
+                prefill_left -= n
 
         for req, n in scheduled:
             if req.request_id not in self._sent_to_worker:

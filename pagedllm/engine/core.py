@@ -8,6 +8,7 @@ the same in-process, under the offline `LLM`, and in a process of its own under 
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -18,11 +19,14 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from pagedllm.executor import ExecutorDeadError, make_executor
+from pagedllm.memory import full_length_sequences
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import ModelSource, resolve_source
 from pagedllm.structured_output import SequenceGrammars, compiler_for
 from pagedllm.structured_output import compiler as grammar_compiler
 from pagedllm.tokenizers import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
@@ -67,7 +71,10 @@ class EngineCore:
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len)
+                                   config.max_model_len, config.max_prefill_tokens_with_decodes)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens; %s", num_blocks,
+                    config.block_size, num_blocks * config.block_size,
+                    full_length_sequences(num_blocks * config.block_size, config.max_model_len))
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
         self._stashed: list[EngineCoreOutput] = []  # read after a later step failed to launch
@@ -100,8 +107,10 @@ class EngineCore:
             "kv_GiB": round(kv.num_blocks * ex.bytes_per_block / 2**30, 3),
             "max_model_len": c.max_model_len,
             "max_len_seqs_that_fit": round(kv.num_blocks * bs / c.max_model_len, 2),
+            "kv_pool": full_length_sequences(kv.num_blocks * bs, c.max_model_len),
             "max_num_seqs": c.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens,
+            "max_prefill_tokens_with_decodes": c.max_prefill_tokens_with_decodes,
             "prefix_caching": c.enable_prefix_caching,
         }
 

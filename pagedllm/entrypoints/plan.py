@@ -14,7 +14,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedllm.config import parse_bytes
-from pagedllm.memory import blocks_for_bytes, cpu_num_blocks, kv_bytes_per_token
+from pagedllm.memory import (
+    blocks_for_bytes,
+    cpu_num_blocks,
+    full_length_sequences,
+    kv_bytes_per_token,
+)
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.parallel import ParallelLMHead
 from pagedllm.model_executor.loader.loader import load_hf_config
@@ -135,6 +140,9 @@ def main(args: argparse.Namespace) -> int:
     print("  ".join(f"{c:>22}" if i == 0 else f"{c:>18}" for i, c in enumerate(cols)))
     for r in rows:
         print("  ".join(f"{v!s:>22}" if i == 0 else f"{v!s:>18}" for i, v in enumerate(asdict(r).values())))
+    print()  # in words, as the engine's start-up log says it
+    for r in rows:
+        print(f"{r.format:>22}: {full_length_sequences(r.kv_tokens, info['max_model_len'])}")
     return 0
 
 

@@ -487,10 +487,10 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
         f"  device       {d.get('device')}, dtype {d.get('dtype')}, "
         f"weights {d.get('weights_GiB')} GiB",
         f"  KV cache     {d.get('kv_blocks')} blocks x {d.get('block_size')} tokens = "
-        f"{d.get('kv_tokens')} tokens ({d.get('kv_GiB')} GiB); "
-        f"{d.get('max_len_seqs_that_fit')} sequences of max_model_len {d.get('max_model_len')} fit",
-        f"  batching     max_num_batched_tokens {d.get('max_num_batched_tokens')} per step, "
-        f"max_num_seqs {d.get('max_num_seqs')}, prefix caching "
+        f"{d.get('kv_tokens')} tokens ({d.get('kv_GiB')} GiB); {d.get('kv_pool')}",
+        f"  batching     max_num_batched_tokens {d.get('max_num_batched_tokens')} per step "
+        f"(prompt tokens at most {d.get('max_prefill_tokens_with_decodes') or 'all of them'} "
+        f"while sequences decode), max_num_seqs {d.get('max_num_seqs')}, prefix caching "
         f"{'on' if d.get('prefix_caching') else 'off'}",
         f"  API          {base}/v1 (listening on {host}:{port}"
         f"{', API key required' if api_key else ''})",

@@ -185,6 +185,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     e.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch",
                    dest="max_num_batched_tokens", type=_positive_int,
                    help="tokens per engine step (default: 8192 on GPU, 2048 on CPU)")
+    e.add_argument("--max-prefill-tokens-with-decodes", type=_non_negative_int, metavar="N",
+                   help="while sequences decode, the prompt tokens of one step stay within N, "
+                   "so a long prompt is read in chunks that keep streams' inter-token latency "
+                   "steady; with no decode running a prompt gets the whole step; 0: no cap "
+                   "(default: 512 on GPU, 256 on CPU)")
     e.add_argument("--block-size", type=_positive_int,
                    help=f"tokens per KV cache block {_default('block_size')}")
     e.add_argument("--num-kv-blocks", type=_positive_int,
@@ -303,7 +308,8 @@ def model_from_args(args: argparse.Namespace) -> str | None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Only the flags that were given; the rest keep EngineConfig's defaults."""
     names = ["revision", "download_dir", "tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
-             "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+             "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+             "max_prefill_tokens_with_decodes", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "max_logprobs",

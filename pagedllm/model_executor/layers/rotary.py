@@ -3,6 +3,16 @@
 The frequency tables come from transformers' own rope initialisers (llama3, linear,
 dynamic, yarn, longrope), so every scaling a config can name is computed exactly as the
 reference does; the rotation itself is applied here on the flat token batch.
+
+Two scalings change with the sequence length in transformers, which a cache of rotated
+keys cannot follow; each is fixed here once, from max_model_len:
+- dynamic NTK keeps the unscaled frequencies up to max_position_embeddings, the most the
+  engine serves for it (EngineConfig.resolve), so it equals transformers there.
+- longrope (Phi-3) uses its short factors for sequences within
+  original_max_position_embeddings and its long factors beyond. The engine uses the long
+  ones for every sequence when max_model_len exceeds that length (as vLLM does), else the
+  short ones: equal to transformers for prompts past it, and for all sequences when
+  max_model_len stays within it.
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inv_freq_and_scale(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scale(config, rotary_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale (YaRN's and longrope's attention factor)
+    for a cache of `max_positions` positions."""
     params = rope_parameters(config)
     if params["rope_type"] in ("default", None):
         base = float(params["rope_theta"])
@@ -37,7 +49,9 @@ def inv_freq_and_scale(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
     fn = ROPE_INIT_FUNCTIONS.get(params["rope_type"])
     if fn is None:
         raise ValueError(f"unsupported rope scaling type {params['rope_type']!r}")
-    inv, scale = fn(config, torch.device("cpu"))
+    # longrope's factor set is picked by this length (the module docstring says why once).
+    seq_len = max_positions if params["rope_type"] == "longrope" else None
+    inv, scale = fn(config, torch.device("cpu"), seq_len=seq_len)
     return inv.float(), float(scale)
 
 
@@ -75,7 +89,7 @@ class RotaryEmbedding(nn.Module):
         if self.alibi_heads:
             self.alibi_slopes = alibi_slopes(self.alibi_heads).to(device)
             return
-        inv, scale = inv_freq_and_scale(self.config, self.rotary_dim)
+        inv, scale = inv_freq_and_scale(self.config, self.rotary_dim, self.max_positions)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
         self.cos = (freqs.cos() * scale).to(device)
         self.sin = (freqs.sin() * scale).to(device)
