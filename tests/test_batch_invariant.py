@@ -152,10 +152,9 @@ def test_greedy_tokens_equal_transformers(engines):
             np.testing.assert_allclose(got, lps, rtol=1e-4, atol=1e-4)
 
 
-def test_logprobs_are_bitwise_the_same_in_any_batch(engines):
-    """Each prompt alone on the whole-prompt engine against batches of 1..64 on the
-    chunked, prefix-cached one (a shared prefix half the batch: cached after the first)."""
-    _, whole, chunked = engines
+def _assert_alone_equals_batched(whole: LLM, chunked: LLM) -> None:
+    """64 prompts (half of them sharing a 40-token prefix: cached after the first), each
+    alone on `whole` against random batches of 1, 3, 17 and 64 on `chunked`."""
     shared = _prompts(1, seed=7)[0][:40]
     prompts = _prompts(32, seed=2) + _prompts(32, seed=3, prefix=shared)
     alone = {i: _record(whole.generate([{"prompt_token_ids": prompts[i]}], GREEDY)[0])
@@ -166,6 +165,13 @@ def test_logprobs_are_bitwise_the_same_in_any_batch(engines):
         outs = chunked.generate([{"prompt_token_ids": prompts[i]} for i in picks], GREEDY)
         for i, o in zip(picks, outs, strict=True):
             assert _record(o) == alone[i], (size, i)
+
+
+def test_logprobs_are_bitwise_the_same_in_any_batch(engines):
+    """Each prompt alone on the whole-prompt engine against batches of 1..64 on the
+    chunked, prefix-cached one (a shared prefix half the batch: cached after the first)."""
+    _, whole, chunked = engines
+    _assert_alone_equals_batched(whole, chunked)
 
 
 def _neighbour(rng: random.Random) -> SamplingParams:
@@ -213,16 +219,7 @@ def test_cuda_bf16_logprobs_are_bitwise_the_same_in_any_batch(tiny_models, arch)
     whole = LLM(**kw, max_num_batched_tokens=4096, enable_prefix_caching=False)
     chunked = LLM(**kw, max_num_batched_tokens=32, enable_prefix_caching=True)
     assert chunked.engine.executor.runner.graphs is not None
-    shared = _prompts(1, seed=7)[0][:40]
-    prompts = _prompts(32, seed=2) + _prompts(32, seed=3, prefix=shared)
-    alone = {i: _record(whole.generate([{"prompt_token_ids": prompts[i]}], GREEDY)[0])
-             for i in range(len(prompts))}
-    rng = random.Random(5)
-    for size in (1, 3, 17, 64):
-        picks = rng.sample(range(len(prompts)), size)
-        outs = chunked.generate([{"prompt_token_ids": prompts[i]} for i in picks], GREEDY)
-        for i, o in zip(picks, outs, strict=True):
-            assert _record(o) == alone[i], (size, i)
+    _assert_alone_equals_batched(whole, chunked)
 
 
 @pytest.mark.gpu

@@ -161,26 +161,32 @@ class TritonPagedAttention:
                                k_cache.stride(1), ROW=row, BLOCK=_pow2(row),
                                **pdl.kernel_options(k))
 
-    @classmethod
-    def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
-        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+    @staticmethod
+    def _launch_args(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float,
+                     alibi_slopes: torch.Tensor | None, sliding_window: int | None) -> tuple[tuple, dict]:
+        """The kernel's arguments shared by the decode and the prefill launches."""
         hq, dim = q.shape[1], q.shape[2]
-        hkv = k.shape[1]
-        group = hq // hkv
-        page = k_cache.shape[1]
         common = dict(
             scale_log2=scale * 1.4426950408889634, window=sliding_window or 0,
             WINDOW=sliding_window is not None,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
             stride_bt=meta.block_tables.stride(0),
-            GROUP=group, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=page,
+            GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
             ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
             **pdl.kernel_options(q),
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
+        return args, common
+
+    @classmethod
+    def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
+        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        hkv = k.shape[1]
+        group = q.shape[1] // hkv
+        args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes, sliding_window)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
@@ -215,19 +221,9 @@ class TritonInvariantAttention(TritonPagedAttention):
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        hq, dim = q.shape[1], q.shape[2]
         hkv = k.shape[1]
-        common = dict(
-            scale_log2=scale * 1.4426950408889634, window=sliding_window or 0,
-            WINDOW=sliding_window is not None,
-            stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
-            stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-            stride_bt=meta.block_tables.stride(0),
-            GROUP=hq // hkv, HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
-            ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32, BLOCK_M=cls.BLOCK_M,
-            **pdl.kernel_options(q), **cls.PREFILL_LAUNCH,
-        )
-        args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
+        args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes, sliding_window)
+        common.update(BLOCK_M=cls.BLOCK_M, **cls.PREFILL_LAUNCH)
         slopes = q if alibi_slopes is None else alibi_slopes
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](

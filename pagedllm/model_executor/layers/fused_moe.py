@@ -104,18 +104,24 @@ def _align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int, cap: in
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(X, W, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
-                        sxm, sxk, swe, swn, swk, som, son, IEEE: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _block(SortedIds, BlockExpert, Used, num_pairs, N, BM: tl.constexpr, BN: tl.constexpr):
+        """This program's block of pairs and column tile: (inside the used length, expert,
+        pair ids [BM], which are pairs, column tile index)."""
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(N, BN)
         blk = pid // n_tiles
-        pn = pid % n_tiles
-        if blk * BM >= tl.load(Used):
-            return
+        live = blk * BM < tl.load(Used)
         e = tl.load(BlockExpert + blk).to(tl.int64)
         pair = tl.load(SortedIds + blk * BM + tl.arange(0, BM))
-        valid = pair < num_pairs
+        return live, e, pair, pair < num_pairs, pid % n_tiles
+
+    @triton.jit
+    def _gate_up_kernel(X, W, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
+                        sxm, sxk, swe, swn, swk, som, son, IEEE: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        live, e, pair, valid, pn = _block(SortedIds, BlockExpert, Used, num_pairs, N, BM, BN)
+        if not live:
+            return
         tok = (pair // top_k).to(tl.int64)
         rn = pn * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
@@ -147,15 +153,9 @@ if triton is not None:
     def _down_kernel(A, W, Out, SortedIds, BlockExpert, Used, Weights, num_pairs, K, N,
                      sam, sak, swe, swn, swk, som, son, IEEE: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pid = tl.program_id(0)
-        n_tiles = tl.cdiv(N, BN)
-        blk = pid // n_tiles
-        pn = pid % n_tiles
-        if blk * BM >= tl.load(Used):
+        live, e, pair, valid, pn = _block(SortedIds, BlockExpert, Used, num_pairs, N, BM, BN)
+        if not live:
             return
-        e = tl.load(BlockExpert + blk).to(tl.int64)
-        pair = tl.load(SortedIds + blk * BM + tl.arange(0, BM))
-        valid = pair < num_pairs
         rows = pair.to(tl.int64)
         rn = pn * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
