@@ -151,6 +151,10 @@ class EngineConfig:
     # batch, chunked or cached (pagedllm/batch_invariant.py). None: the
     # PAGEDLLM_BATCH_INVARIANT environment variable, off by default.
     batch_invariant: bool | None = None
+    # The KV cache's element type: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (e4m3,
+    # one byte: twice the tokens in the same memory; per-layer scales from the checkpoint
+    # when it has them, else 1.0).
+    kv_cache_dtype: str = "auto"
     # Schedule and launch step N+1 before reading step N's tokens, so that the host's work
     # overlaps the device's. None: on for one CUDA device, off elsewhere (a CPU computes
     # the step itself, so there is nothing to overlap).
@@ -224,6 +228,8 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be auto|fp8|fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
 

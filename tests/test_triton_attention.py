@@ -6,58 +6,13 @@ Runs on CUDA; with TRITON_INTERPRET=1 and Triton installed it also runs on the C
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from paged_batch import paged_batch, paged_meta
 from triton_device import DEV  # first: skips this module without CUDA or the interpreter
 
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchPagedAttention
 from pagedllm.attention.triton_backend import TritonPagedAttention
-
-
-def _batch(seqs, hq, hkv, dim, page, dtype, seed=0):
-    """seqs: list of (q_len, ctx_len). Decodes (q_len 1) must come first."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    total_blocks = sum(-(-c // page) for _, c in seqs) + 3
-    perm = rng.permutation(total_blocks)  # scattered pages, as a real pool has them
-    width = max(-(-c // page) for _, c in seqs)
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    used = 0
-    slots, q_start, rows = [], [], 0
-    k_cache = torch.randn(total_blocks, page, hkv, dim, generator=g).to(dtype)
-    v_cache = torch.randn(total_blocks, page, hkv, dim, generator=g).to(dtype)
-    for i, (ql, ctx) in enumerate(seqs):
-        nb = -(-ctx // page)
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
-        pos = np.arange(ctx - ql, ctx)
-        slots.extend((tables[i, pos // page].astype(np.int64) * page + pos % page).tolist())
-        q_start.append(rows)
-        rows += ql
-    t = rows
-    q = torch.randn(t, hq, dim, generator=g).to(dtype)
-    k = torch.randn(t, hkv, dim, generator=g).to(dtype)
-    v = torch.randn(t, hkv, dim, generator=g).to(dtype)
-    ql = np.array([s[0] for s in seqs])
-    ctx = np.array([s[1] for s in seqs])
-    nd = int((ql == 1).sum())
-    return q, k, v, k_cache, v_cache, tables, np.array(slots), np.array(q_start), ql, ctx, nd
-
-
-def _meta(tables, slots, q_start, ql, ctx, nd, tile_q):
-    def t(x):
-        return torch.as_tensor(np.ascontiguousarray(x), dtype=torch.int32, device=DEV)
-
-    tiles = [(i, q0) for i in range(nd, len(ql)) for q0 in range(0, int(ql[i]), tile_q)]
-    tiles_t = t(np.array(tiles, dtype=np.int64).T.reshape(2, -1)) if tiles else t(np.zeros((2, 0)))
-    return AttentionMetadata(
-        slot_mapping=torch.as_tensor(slots, device=DEV), num_decode=nd, block_tables=t(tables),
-        q_start=t(q_start), q_len=t(ql), ctx_len=t(ctx), prefill_tiles=tiles_t,
-        num_prefill_tiles=len(tiles), prefill_tile_q=tile_q,
-        host_q_start=q_start, host_q_len=ql, host_ctx_len=ctx)
-
 
 CASES = [
     # (hq, hkv, dim, page, seqs)
@@ -74,14 +29,14 @@ CASES = [
 def test_triton_matches_torch(case, dtype):
     hq, hkv, dim, page, seqs = case
     seqs = sorted(seqs, key=lambda s: s[0] != 1)
-    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = _batch(seqs, hq, hkv, dim, page, dtype)
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, hq, hkv, dim, page, dtype)
     q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
     kc2, vc2 = kc.clone(), vc.clone()
     scale = dim**-0.5
     tile_q = TritonPagedAttention.tile_q(hq // hkv)
-    ref = TorchPagedAttention.forward(q.float(), k.float(), v.float(), kc.float(), vc.float(),
-                                      _meta(tables, slots, q_start, ql, ctx, nd, tile_q), scale)
-    out = TritonPagedAttention.forward(q, k, v, kc2, vc2, _meta(tables, slots, q_start, ql, ctx, nd, tile_q), scale)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, tile_q, DEV)
+    ref = TorchPagedAttention.forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, scale)
+    out = TritonPagedAttention.forward(q, k, v, kc2, vc2, meta, scale)
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     # The cache write landed where the reference put it.
@@ -99,3 +54,45 @@ def test_padding_rows_write_nothing():
     flat = kc.view(-1, 2, 32)
     assert flat[5].eq(1).all() and flat[9].eq(1).all()
     assert flat.sum() == 2 * 64
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.5, 2.0)])
+def test_triton_over_fp8_pages_matches_torch(k_scale, v_scale, invariant):
+    """fp8 (e4m3) pages: the write kernel stores x / scale saturated, the attention kernel
+    reads them back, both as the torch reference does."""
+    from pagedllm.attention.triton_backend import TritonInvariantAttention
+
+    backend = TritonInvariantAttention if invariant else TritonPagedAttention
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    seqs = [(1, 5), (1, 64), (40, 40), (7, 100)]
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, 8, 2, 64, 16, dtype, seed=4)
+    fp8 = torch.float8_e4m3fn
+    # New keys and values that e4m3 holds exactly (times a power-of-two scale): Triton's
+    # interpreter converts to e4m3 without rounding to nearest, the GPU rounds as torch does.
+    k = (k.float() / k_scale).to(fp8).float().mul(k_scale).to(dtype)
+    v = (v.float() / v_scale).to(fp8).float().mul(v_scale).to(dtype)
+    q, k, v = (x.to(DEV) for x in (q, k, v))
+    kc8, vc8 = (kc * 0.7).to(fp8).to(DEV), (vc * 0.7).to(fp8).to(DEV)  # cached pages
+    tile_q = backend.tile_q(4)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, tile_q, DEV)
+    ref_k, ref_v = kc8.clone(), vc8.clone()
+    ref = TorchPagedAttention.forward(q.float(), k.float(), v.float(), ref_k, ref_v, meta, 0.125,
+                                      k_scale=k_scale, v_scale=v_scale)
+    out = backend.forward(q, k, v, kc8, vc8, meta, 0.125, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(kc8.view(torch.uint8), ref_k.view(torch.uint8))  # same bytes written
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the interpreter's e4m3 conversion does not round to nearest")
+def test_fp8_write_rounds_as_torch():
+    g = torch.Generator().manual_seed(0)
+    k = (torch.randn(64, 2, 64, generator=g) * 3).to(DEV, torch.bfloat16)
+    v = (torch.randn(64, 2, 64, generator=g) * 500).to(DEV, torch.bfloat16)  # some saturate
+    slots = torch.randperm(64 * 4, generator=g)[:64].to(DEV)
+    caches = [torch.zeros(16, 16, 2, 64, dtype=torch.float8_e4m3fn, device=DEV) for _ in range(4)]
+    TritonPagedAttention.write_kv(k, v, caches[0], caches[1], slots, 0.5, 2.0)
+    TorchPagedAttention.write_kv(k, v, caches[2], caches[3], slots.long(), 0.5, 2.0)
+    assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))

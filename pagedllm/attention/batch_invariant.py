@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.torch_backend import TorchPagedAttention
+from pagedllm.attention.torch_backend import TorchPagedAttention, dequantize
 from pagedllm.batch_invariant import bmm, elementwise
 
 TILE_Q = 4  # small: a decode pads its one query to a tile
@@ -100,8 +100,10 @@ class BatchInvariantAttention:
         scale: float,
         alibi_slopes: torch.Tensor | None = None,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         dev = q.device
         hq, dim = q.shape[1:]
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -124,8 +126,9 @@ class BatchInvariantAttention:
         v_flat = v_cache.view(-1, hkv, dim)
         for sel, slots, kvalid, visible, dist in plan.pages:
             ns = nt if sel is None else len(sel)
-            kp = k_flat.index_select(0, slots).float().view(ns, PAGE, hkv, dim)
-            vp = v_flat.index_select(0, slots).float().view(ns, PAGE, hkv, dim)
+            kp = dequantize(k_flat.index_select(0, slots), k_scale, torch.float32).float()
+            vp = dequantize(v_flat.index_select(0, slots), v_scale, torch.float32).float()
+            kp, vp = kp.view(ns, PAGE, hkv, dim), vp.view(ns, PAGE, hkv, dim)
             vp = torch.where(kvalid[:, :, None, None], vp, 0.0)  # unwritten slots may hold NaN
             vp = torch.cat([vp, torch.ones_like(vp[..., :1])], dim=-1)
             qs = qt if sel is None else qt.index_select(0, sel)

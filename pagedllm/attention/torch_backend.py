@@ -18,6 +18,25 @@ import torch.nn.functional as F
 
 from pagedllm.attention.metadata import AttentionMetadata
 
+FP8_MAX = 448.0  # the largest finite e4m3 value
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale in e4m3, saturated (e4m3fn has no infinity: out of range would be NaN)."""
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache pages in the compute dtype: fp8 ones times their scale, others as they are."""
+    if not is_fp8(pages):
+        return pages
+    out = pages.to(dtype)
+    return out if scale == 1.0 else out * scale
+
 
 def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[tuple[torch.Tensor | None, int]]:
     """The decode sequences in at most two groups, each gathered and padded to its own
@@ -58,8 +77,12 @@ class TorchPagedAttention:
 
     @staticmethod
     def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         heads, dim = k.shape[-2:]
+        if is_fp8(k_cache):  # stored as x / scale in e4m3; index_copy_ has no fp8 kernel
+            k = quantize_fp8(k, k_scale).view(torch.uint8)
+            v = quantize_fp8(v, v_scale).view(torch.uint8)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
 
@@ -74,8 +97,11 @@ class TorchPagedAttention:
         scale: float,
         alibi_slopes: torch.Tensor | None = None,  # [Hq] float32, or None
         sliding_window: int | None = None,  # a query sees this many positions, itself included
+        k_scale: float = 1.0,  # fp8 caches: the stored values are k / k_scale, v / v_scale
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        fp8 = is_fp8(k_cache)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         bs, hkv, dim = k_cache.shape[1:]
@@ -86,8 +112,10 @@ class TorchPagedAttention:
             n = tables.shape[0]
             tables = tables.reshape(-1).long()
             # index_select gathers whole blocks faster than advanced indexing on CPU.
-            kc = k_cache.index_select(0, tables).view(n, nblk * bs, hkv, dim).transpose(1, 2)
-            vc = v_cache.index_select(0, tables).view(n, nblk * bs, hkv, dim).transpose(1, 2)
+            kc = dequantize(k_cache.index_select(0, tables), k_scale, q.dtype)
+            vc = dequantize(v_cache.index_select(0, tables), v_scale, q.dtype)
+            kc = kc.view(n, nblk * bs, hkv, dim).transpose(1, 2)
+            vc = vc.view(n, nblk * bs, hkv, dim).transpose(1, 2)
             pos = torch.arange(nblk * bs, device=q.device)
             visible = pos[None, :] < ctx[:, None]
             if sliding_window is not None:
@@ -110,12 +138,12 @@ class TorchPagedAttention:
                                 int(meta.host_ctx_len[i]))
             rows = slice(start, start + qlen)
             qs = q[rows].transpose(0, 1).unsqueeze(0)
-            if ctx == qlen:  # nothing cached before: attend to this chunk only
+            if ctx == qlen and not fp8:  # nothing cached before: attend to this chunk only
                 ks, vs = k[rows], v[rows]
-            else:
+            else:  # (an fp8 cache: the chunk's keys as stored, as later steps will read them)
                 table = meta.block_tables[i, : -(-ctx // bs)].long()
-                ks = k_cache.index_select(0, table).view(-1, hkv, dim)[:ctx]
-                vs = v_cache.index_select(0, table).view(-1, hkv, dim)[:ctx]
+                ks = dequantize(k_cache.index_select(0, table), k_scale, q.dtype).view(-1, hkv, dim)[:ctx]
+                vs = dequantize(v_cache.index_select(0, table), v_scale, q.dtype).view(-1, hkv, dim)[:ctx]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             windowed = sliding_window is not None and sliding_window < ctx
             if alibi_slopes is None and ctx == qlen and not windowed:

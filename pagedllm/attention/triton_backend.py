@@ -27,8 +27,8 @@ from pagedllm.pdl import launch_dependents, wait
 
 
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs, inv_k_scale, inv_v_scale,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
         K += tok
@@ -42,6 +42,9 @@ def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
         mask = offs < ROW
         k = tl.load(K + t * stride_kt + offs, mask=mask)
         v = tl.load(V + t * stride_vt + offs, mask=mask)
+        if FP8:  # e4m3 pages hold x / scale, saturated (e4m3fn has no infinity)
+            k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0).to(KC.dtype.element_ty)
+            v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0).to(VC.dtype.element_ty)
         tl.store(KC + slot * stride_cs + offs, k, mask=mask)
         tl.store(VC + slot * stride_cs + offs, v, mask=mask)
 
@@ -57,12 +60,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes,
-    scale_log2, window,
+    scale_log2, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -115,6 +119,8 @@ def _paged_attention_kernel(
         page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
         base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
         k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        if FP8:  # e4m3 pages, exact in the compute dtype; k_scale is in scale_log2
+            k = k.to(Q.dtype.element_ty)
         s = _dot(q, k, IEEE) * scale_log2
         if ALIBI:
             s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
@@ -127,10 +133,14 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VC + base[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP8:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
+    if FP8:  # the values were v / v_scale
+        out = out * v_scale
     tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
@@ -154,20 +164,24 @@ class TritonPagedAttention:
         return max(1, cls.BLOCK_M_PREFILL // group)
 
     @staticmethod
-    def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         t, h, d = k.shape
         row = h * d
         _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                               k_cache.stride(1), ROW=row, BLOCK=_pow2(row),
+                               k_cache.stride(1), 1.0 / k_scale, 1.0 / v_scale, ROW=row,
+                               BLOCK=_pow2(row), FP8=k_cache.dtype == torch.float8_e4m3fn,
                                **pdl.kernel_options(k))
 
     @staticmethod
     def _launch_args(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float,
-                     alibi_slopes: torch.Tensor | None, sliding_window: int | None) -> tuple[tuple, dict]:
+                     alibi_slopes: torch.Tensor | None, sliding_window: int | None,
+                     k_scale: float, v_scale: float) -> tuple[tuple, dict]:
         """The kernel's arguments shared by the decode and the prefill launches."""
         hq, dim = q.shape[1], q.shape[2]
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
         common = dict(
-            scale_log2=scale * 1.4426950408889634, window=sliding_window or 0,
+            scale_log2=scale * 1.4426950408889634 * (k_scale if fp8 else 1.0), v_scale=v_scale,
+            FP8=fp8, window=sliding_window or 0,
             WINDOW=sliding_window is not None,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
@@ -181,12 +195,14 @@ class TritonPagedAttention:
 
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
-        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0):
+        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
         group = q.shape[1] // hkv
-        args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes, sliding_window)
+        args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
+                                        sliding_window, k_scale, v_scale)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
@@ -218,11 +234,13 @@ class TritonInvariantAttention(TritonPagedAttention):
 
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None):
-        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0):
+        cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
-        args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes, sliding_window)
+        args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
+                                        sliding_window, k_scale, v_scale)
         common.update(BLOCK_M=cls.BLOCK_M, **cls.PREFILL_LAUNCH)
         slopes = q if alibi_slopes is None else alibi_slopes
         if meta.num_decode:

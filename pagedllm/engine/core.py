@@ -100,6 +100,7 @@ class EngineCore:
             "model": c.model,
             "device": str(ex.device),
             "dtype": str(ex.dtype).replace("torch.", ""),
+            "kv_cache_dtype": c.kv_cache_dtype,
             "weights_GiB": round(ex.weight_bytes / 2**30, 3),
             "kv_blocks": kv.num_blocks,
             "block_size": bs,

@@ -63,7 +63,8 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
               kv_cache_memory: int | None = None, max_num_seqs: int | None = None,
               max_num_batched_tokens: int | None = None, load_format: str = "auto",
               revision: str | None = None,
-              download_dir: str | None = None) -> tuple[dict, list[PlanRow]]:
+              download_dir: str | None = None,
+              kv_cache_dtype: str = "auto") -> tuple[dict, list[PlanRow]]:
     from pagedllm.config import EngineConfig
 
     given = {"block_size": block_size, "max_num_seqs": max_num_seqs}  # None: the engine's default
@@ -87,7 +88,9 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
     rows = []
     for name, (w_bytes, elem) in WEIGHT_FORMATS.items():
         weights = linear * w_bytes + other * elem
-        per_token = kv_bytes_per_token(layers, kv_heads, head_dim, elem)
+        # an fp8 KV cache holds one byte an element, whatever the weights are
+        kv_elem = 1 if kv_cache_dtype.startswith("fp8") else elem
+        per_token = kv_bytes_per_token(layers, kv_heads, head_dim, kv_elem)
         per_block = per_token * block_size
         if on_gpu:
             # Activations of the largest step, as the engine's profiling pass would see them.
@@ -101,7 +104,8 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
                             round(blocks * block_size / max_len, 2)))
     info = {"model": cfg.model, "architecture": arch, "parameters": linear + other,
             "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "max_model_len": max_len,
-            "block_size": block_size, "memory": f"{gpu_memory} GiB GPU x {gpu_memory_utilization}"
+            "block_size": block_size, "kv_cache_dtype": kv_cache_dtype,
+            "memory": f"{gpu_memory} GiB GPU x {gpu_memory_utilization}"
             if on_gpu else f"CPU, kv_cache_memory={kv_cache_memory or 'default'}"}
     return info, rows
 
@@ -118,6 +122,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--max-num-seqs", "--max-concurrent-requests", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch", dest="max_num_batched_tokens", type=int)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="plan for an fp8 KV cache (one byte an element)")
     p.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--download-dir", metavar="DIR",
                    help="Hugging Face cache for hub ids (default: $HF_HUB_CACHE, else $HF_HOME/hub)")
@@ -130,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
                                args.gpu_memory, args.gpu_memory_utilization,
                                parse_bytes(args.kv_cache_memory), args.max_num_seqs,
                                args.max_num_batched_tokens, args.load_format,
-                               args.revision, args.download_dir)
+                               args.revision, args.download_dir, args.kv_cache_dtype)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"pagedllm plan: {e}") from None
     for k, v in info.items():

@@ -128,6 +128,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
+        # fp8: e4m3 pages, one byte an element (the attention backends quantize on write
+        # and dequantize on read, with each layer's scales)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype.startswith("fp8") else self.dtype
         self.max_model_len = max_model_len
         self.batch_invariant = bool(config.batch_invariant)
         self.backend = get_attention_backend(self.device, self.batch_invariant)
@@ -150,7 +153,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.finfo(self.dtype).bits // 8
+        elem = torch.finfo(self.kv_dtype).bits // 8
         return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
 
     @property
@@ -214,11 +217,11 @@ class ModelRunner:
         (an eager torch.zeros of 2 GiB spends seconds in page faults)."""
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         if self.device.type == "cpu":
-            nbytes = math.prod(shape) * (torch.finfo(self.dtype).bits // 8)
+            nbytes = math.prod(shape) * (torch.finfo(self.kv_dtype).bits // 8)
             self._kv_mmap = mmap.mmap(-1, nbytes)
-            cache = torch.frombuffer(self._kv_mmap, dtype=self.dtype).view(shape)
+            cache = torch.frombuffer(self._kv_mmap, dtype=torch.uint8).view(self.kv_dtype).view(shape)
         else:
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
     # ------------------------------------------------------------------ one step

@@ -211,6 +211,9 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="schedule the next step while the device runs this one "
                    "(default: on for one CUDA device; requests with penalties run in step)")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache element type: auto (the model's dtype) or fp8 (e4m3: twice "
+                   "the tokens per GiB; default: auto)")
     e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="a request's logits, logprobs and tokens are the same bits alone or in "
                    "any batch, chunked or prefix-cached, at a cost in speed (default: "
@@ -312,7 +315,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "max_prefill_tokens_with_decodes", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
-             "device", "enforce_eager", "async_scheduling", "batch_invariant", "max_logprobs",
+             "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",
              "generation_config"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)

@@ -25,7 +25,9 @@ def read_block(t, *index: slice) -> torch.Tensor:
     a tensor it keeps one slice of; a torch tensor gives a view."""
     if index:
         return t[index]
-    return t if isinstance(t, torch.Tensor) else t[:]
+    if isinstance(t, torch.Tensor):
+        return t
+    return t[()] if not t.get_shape() else t[:]  # a scalar (an fp8 scale) has no slice
 
 
 def check_shape(what: str, tensor, expected: tuple[int, ...]) -> None:

@@ -19,6 +19,8 @@ of requests, blocks or the scheduler.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,6 +122,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = s.head_dim**-0.5
+        # An fp8 KV cache stores k / k_scale and v / v_scale (the checkpoint's, else 1.0).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         if window is not None and s.alibi:
             raise NotImplementedError("ALiBi with a sliding window")
         if s.alibi and not getattr(backend, "supports_alibi", False):
@@ -139,12 +144,17 @@ class Attention(nn.Module):
         if not s.alibi:
             q, k = self.rotary(positions, q, k)
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                     sliding_window=self.window)
+                                     sliding_window=self.window, k_scale=self.k_scale,
+                                     v_scale=self.v_scale)
         else:
             slopes = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                     alibi_slopes=slopes)
+                                     alibi_slopes=slopes, k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+
+# Per-layer fp8 KV-cache scales as checkpoints name them.
+_KV_SCALE = re.compile(r"(.+\.self_attn)\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale)$")
 
 
 class MLP(nn.Module):
@@ -258,6 +268,15 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.shape.tie_embeddings:
+                continue
+            if (kv := _KV_SCALE.match(name)) and isinstance(modules.get(kv[1]), Attention):
+                # fp8 KV scales (compressed-tensors' kv_cache_scheme, older output_scale)
+                value = float(read_block(tensor).float().reshape(-1)[0])
+                attn = modules[kv[1]]
+                if kv[2] in ("k_scale", "kv_scale", "k_proj.output_scale"):
+                    attn.k_scale = value
+                if kv[2] in ("v_scale", "kv_scale", "v_proj.output_scale"):
+                    attn.v_scale = value
                 continue
             target, shard = self._checkpoint_target(name)
             module_name, _, param_name = target.rpartition(".")
