@@ -347,7 +347,9 @@ class FP8Spec:
     dtype, [1] per tensor, [out, 1] per channel, [ceil(out/b0), ceil(in/b1)] per block;
     fmt "fp8" (transformers FineGrainedFP8): `weight` + float32 `weight_scale_inv`, per
     128x128 block (a scalar with weight_block_size null, strategy "tensor"); fmt
-    "fbgemm_fp8": `weight` + float32 `weight_scale` [out, 1]. In every one w = q * scale."""
+    "fbgemm_fp8": `weight` + float32 `weight_scale` [out, 1]; fmt "autofp8" (AutoFP8, the
+    older `quant_method: fp8` files): `weight` + a float32 scalar `weight_scale`, static
+    scalar `input_scale`s, no weight_block_size. In every one w = q * scale."""
 
     fmt: str = "compressed-tensors"
     strategy: str = "channel"  # "tensor" | "channel" | "block"
@@ -359,6 +361,8 @@ class FP8Spec:
         skipped = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.not_converted]
         if self.fmt == "fbgemm_fp8":
             return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": skipped}
+        if self.fmt == "autofp8":
+            return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": skipped}
         if self.fmt == "fp8":
             return {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": skipped,
                     "weight_block_size": list(self.block) if self.strategy == "block" else None}
@@ -399,7 +403,7 @@ def quantize_fp8(w: torch.Tensor, spec: FP8Spec, scale_dtype: torch.dtype) -> tu
     n, k = w.shape
     if spec.strategy == "tensor":
         q, grid = _fp8_blocks(w, n, k)
-        scale = grid.reshape(()) if spec.fmt == "fp8" else grid.reshape(1)
+        scale = grid.reshape(()) if spec.fmt in ("fp8", "autofp8") else grid.reshape(1)
         expanded = grid.to(scale_dtype).float().reshape(1, 1)
     elif spec.strategy == "channel":
         q, grid = _fp8_blocks(w, 1, k)  # [out, 1]
@@ -432,7 +436,8 @@ def write_fp8_checkpoint(hf_model, path: str, spec: FP8Spec) -> dict[str, torch.
             parts, deq = quantize_fp8(t.detach().float(), spec, scale_dtype)
             tensors.update({f"{module}.{k}": v for k, v in parts.items()})
             if spec.static_input:
-                tensors[f"{module}.input_scale"] = torch.tensor([0.05], dtype=scale_dtype)
+                shape = () if spec.fmt == "autofp8" else (1,)
+                tensors[f"{module}.input_scale"] = torch.full(shape, 0.05, dtype=scale_dtype)
             reference[name] = deq
         else:
             tensors[name] = t.detach().clone().contiguous()

@@ -87,7 +87,7 @@ def _ct(**weights) -> dict:
     ({**_ct(), "ignore": ["re:.*mlp.gate$"]}, ("compressed-tensors", "channel", None, True)),
     ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
      ("fp8", "block", (128, 128), False)),
-    ({"quant_method": "fp8"}, ("fp8", "block", (128, 128), False)),  # transformers' default block
+    ({"quant_method": "fp8", "activation_scheme": "static"}, ("fp8", "tensor", None, False)),  # AutoFP8
     ({"quant_method": "fp8", "weight_block_size": None}, ("fp8", "tensor", None, False)),
     ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, ("fbgemm_fp8", "channel", None, False)),
 ])
@@ -95,7 +95,7 @@ def test_fp8_configs_are_detected(raw, expected):
     q = parse_quant_config(raw)
     assert q.method == "fp8" and q.bits == 8
     assert (q.checkpoint_format, q.strategy, q.block_size, q.lm_head) == expected
-    assert q.scale_name == ("weight_scale_inv" if q.checkpoint_format == "fp8" else "weight_scale")
+    assert q.scale_names[-1] == "weight_scale"
 
 
 @pytest.mark.parametrize(("raw", "message"), [
@@ -120,7 +120,8 @@ def _load(layer: LinearBase, tensors: dict[str, torch.Tensor], shard: str | None
 
 SPECS = [FP8Spec("compressed-tensors", "tensor"), FP8Spec("compressed-tensors", "channel"),
          FP8Spec("compressed-tensors", "block"), FP8Spec("compressed-tensors", "block", (1, 64)),
-         FP8Spec("fp8", "block"), FP8Spec("fp8", "tensor"), FP8Spec("fbgemm_fp8", "channel")]
+         FP8Spec("fp8", "block"), FP8Spec("fp8", "tensor"), FP8Spec("fbgemm_fp8", "channel"),
+         FP8Spec("autofp8", "tensor")]
 
 
 def _quant(spec: FP8Spec) -> QuantConfig:
@@ -189,6 +190,7 @@ MODEL_SPECS = [
     FP8Spec("fp8", "block"),
     FP8Spec("fp8", "tensor"),
     FP8Spec("fbgemm_fp8", "channel"),
+    FP8Spec("autofp8", "tensor", static_input=True),
 ]
 
 

@@ -16,8 +16,10 @@ FP8 (e4m3) checkpoints come in three published spellings, all method "fp8" here:
   [out, in/group]), w = weight * scale.
 - transformers FineGrainedFP8 (DeepSeek-V3, Qwen3-FP8): `{"quant_method": "fp8",
   "weight_block_size": [128, 128], "activation_scheme": "dynamic"}`; tensors `weight` and
-  `weight_scale_inv` ([ceil(out/128), ceil(in/128)], a scalar when weight_block_size is
-  null), w = weight * weight_scale_inv (multiplied despite the name).
+  `weight_scale_inv` [ceil(out/128), ceil(in/128)], w = weight * weight_scale_inv
+  (multiplied despite the name). Without weight_block_size (null, or absent as in AutoFP8's
+  `{"quant_method": "fp8", "activation_scheme": "static"}` files, which vLLM reads the same
+  way) the scale is one per tensor, named `weight_scale` or `weight_scale_inv`.
 - transformers fbgemm_fp8: `{"quant_method": "fbgemm_fp8"}`; `weight` and `weight_scale`
   [out, 1] float32.
 Static activation scales that some of them carry (`input_scale`, `activation_scale`,
@@ -97,10 +99,11 @@ class QuantConfig:
             raise ValueError(f"FP8 block_size must be two positive integers, got {self.block_size}")
 
     @property
-    def scale_name(self) -> str:
-        """The checkpoint's name of an FP8 weight's scale tensor (transformers' FineGrainedFP8
-        calls it weight_scale_inv, and multiplies by it all the same)."""
-        return "weight_scale_inv" if self.checkpoint_format == "fp8" else "weight_scale"
+    def scale_names(self) -> tuple[str, ...]:
+        """The checkpoint's names of an FP8 weight's scale tensor, the usual one first
+        (transformers' FineGrainedFP8 calls it weight_scale_inv and multiplies by it all the
+        same; AutoFP8's per-tensor files, also "fp8", call it weight_scale)."""
+        return ("weight_scale_inv", "weight_scale") if self.checkpoint_format == "fp8" else ("weight_scale",)
 
     @property
     def pack_factor(self) -> int:
@@ -174,13 +177,13 @@ def _parse_fp8(method: str, raw: dict) -> QuantConfig:
         return _parse_compressed_tensors(raw)
     if method == "fbgemm_fp8":  # one float32 scale per output row, always
         return QuantConfig("fp8", 8, checkpoint_format="fbgemm_fp8", strategy="channel")
-    # transformers' FineGrainedFP8Config: weight_block_size defaults to [128, 128]; null
-    # means one scale per tensor.
+    # transformers always writes weight_block_size (null: one scale per tensor); files
+    # without it are AutoFP8's per-tensor ones (vLLM's reading: no key, no blocks).
     if raw.get("modules_to_convert"):
         raise ValueError("FP8 embeddings (FineGrainedFP8 modules_to_convert) are not supported")
     if str(raw.get("expert_dtype", "fp8")) != "fp8":
         raise ValueError(f"FP8 checkpoints with {raw['expert_dtype']} experts are not supported")
-    block = raw.get("weight_block_size", [128, 128])
+    block = raw.get("weight_block_size")
     if block is None:
         return QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="tensor")
     return QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="block",

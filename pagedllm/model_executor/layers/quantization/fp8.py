@@ -213,7 +213,7 @@ class Fp8Method(WeightMethod):
             else:  # a module the checkpoint left unquantized
                 self._float_rows[shard] = block
             self._loaded.add(("weight", shard))
-        elif param_name == self.quant.scale_name and self.quant.checkpoint_format != "float":
+        elif param_name in self.quant.scale_names and self.quant.checkpoint_format != "float":
             self._load_scale(layer, shard, tensor, what)
             self._loaded.add(("scale", shard))
         elif param_name in ZERO_POINTS:
@@ -262,7 +262,7 @@ class Fp8Method(WeightMethod):
         beside fp8 ones cannot make one layer: it is reported as its missing scale."""
         if self._all_float(layer):
             return []
-        names = {"weight": "weight", "scale": self.quant.scale_name}
+        names = {"weight": "weight", "scale": self.quant.scale_names[0]}
         missing = [piece(names[kind], s) for s in layer.layout.shards for kind in names
                    if (kind, s) not in self._loaded]
         missing += [f"{piece(names['scale'], s)} (the shard came as a float weight)" for s in self._float_rows
