@@ -94,7 +94,8 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, k_block: int, dtype: torch.dtype) -> torch.Tensor:
     """fp8 weight [rows, in] times its scale table [rows, ceil(in / k_block)], in float32
-    (exact: a 4-bit significand times a float32 scale), then cast to `dtype`."""
+    (exact for bf16/fp16 scales; one float32 rounding for float32 ones), then cast to
+    `dtype`."""
     k = weight.shape[1]
     s = scale if scale.shape[1] == 1 else scale.repeat_interleave(k_block, dim=1)[:, :k]
     return (weight.float() * s).to(dtype)
