@@ -336,3 +336,123 @@ def write_gguf(hf_model, path: str, qtype_name: str, seed: int = 0) -> dict[str,
     writer.write_tensors_to_file()
     writer.close()
     return reference
+
+
+# ---------------------------------------------------------------------------- FP8
+@dataclass(frozen=True)
+class FP8Spec:
+    """An FP8 (e4m3) checkpoint as one of the published tools writes it.
+
+    fmt "compressed-tensors" (llm-compressor): `weight` fp8 + `weight_scale` in the model's
+    dtype, [1] per tensor, [out, 1] per channel, [ceil(out/b0), ceil(in/b1)] per block;
+    fmt "fp8" (transformers FineGrainedFP8): `weight` + float32 `weight_scale_inv`, per
+    128x128 block (a scalar with weight_block_size null, strategy "tensor"); fmt
+    "fbgemm_fp8": `weight` + float32 `weight_scale` [out, 1]; fmt "autofp8" (AutoFP8, the
+    older `quant_method: fp8` files): `weight` + a float32 scalar `weight_scale`, static
+    scalar `input_scale`s, no weight_block_size. In every one w = q * scale."""
+
+    fmt: str = "compressed-tensors"
+    strategy: str = "channel"  # "tensor" | "channel" | "block"
+    block: tuple[int, int] = (128, 128)
+    static_input: bool = False  # compressed-tensors: calibrated input_scale tensors
+    not_converted: tuple[str, ...] = ()  # modules left in float (ignore / modules_to_not_convert)
+
+    def config(self, num_layers: int) -> dict:
+        skipped = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.not_converted]
+        if self.fmt == "fbgemm_fp8":
+            return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": skipped}
+        if self.fmt == "autofp8":
+            return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": skipped}
+        if self.fmt == "fp8":
+            return {"quant_method": "fp8", "activation_scheme": "dynamic", "modules_to_not_convert": skipped,
+                    "weight_block_size": list(self.block) if self.strategy == "block" else None}
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": self.strategy,
+                   "group_size": None, "block_structure": list(self.block) if self.strategy == "block" else None,
+                   "actorder": None, "observer": "minmax"}
+        inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not self.static_input,
+                  "strategy": "tensor" if self.static_input else "token", "group_size": None,
+                  "block_structure": None, "observer": None if not self.static_input else "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": inputs, "output_activations": None,
+                                              "format": "float-quantized"}},
+                "ignore": skipped, "kv_cache_scheme": None, "sparsity_config": {}}
+
+
+FP8_MAX = 448.0
+
+
+def _fp8_blocks(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest e4m3 with one scale per rows x cols tile (partial tiles at the
+    edges, as transformers' FineGrainedFP8 has them): (fp8 [out, in], scale tile grid)."""
+    n, k = w.shape
+    grid = torch.zeros(math.ceil(n / rows), math.ceil(k / cols))
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            tile = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            s = max(tile.abs().max().item(), 1e-12) / FP8_MAX
+            grid[i, j] = s
+            q[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = (tile / s).clamp(-FP8_MAX, FP8_MAX).to(q.dtype)
+    return q, grid
+
+
+def quantize_fp8(w: torch.Tensor, spec: FP8Spec, scale_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One float weight [out, in] -> the FP8 tensors of `spec` and the float32 weight they
+    encode (q * scale as stored, scale cast to float32 first)."""
+    n, k = w.shape
+    if spec.strategy == "tensor":
+        q, grid = _fp8_blocks(w, n, k)
+        scale = grid.reshape(()) if spec.fmt in ("fp8", "autofp8") else grid.reshape(1)
+        expanded = grid.to(scale_dtype).float().reshape(1, 1)
+    elif spec.strategy == "channel":
+        q, grid = _fp8_blocks(w, 1, k)  # [out, 1]
+        scale = grid
+        expanded = grid.to(scale_dtype).float()
+    else:
+        rows, cols = spec.block
+        q, grid = _fp8_blocks(w, rows, cols)
+        scale = grid
+        expanded = grid.to(scale_dtype).float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    name = "weight_scale_inv" if spec.fmt == "fp8" else "weight_scale"
+    return {"weight": q, name: scale.to(scale_dtype).contiguous()}, q.float() * expanded
+
+
+def write_fp8_checkpoint(hf_model, path: str, spec: FP8Spec) -> dict[str, torch.Tensor]:
+    """Save `hf_model` as an FP8 checkpoint per `spec` (config.json with its
+    quantization_config + model.safetensors). The head, embeddings and norms stay in
+    float. Returns the reference state dict: the float weights the checkpoint encodes."""
+    from safetensors.torch import save_file
+
+    layers = hf_model.config.num_hidden_layers
+    quantized = {f"model.layers.{i}.{lin}" for i in range(layers) for lin in LINEARS if lin not in spec.not_converted}
+    # compressed-tensors writes scales in the model's dtype; the transformers formats in float32
+    scale_dtype = torch.bfloat16 if spec.fmt == "compressed-tensors" else torch.float32
+    tensors: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for name, t in hf_model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        if module in quantized and leaf == "weight":
+            parts, deq = quantize_fp8(t.detach().float(), spec, scale_dtype)
+            tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+            if spec.static_input:
+                shape = () if spec.fmt == "autofp8" else (1,)
+                tensors[f"{module}.input_scale"] = torch.full(shape, 0.05, dtype=scale_dtype)
+            reference[name] = deq
+        else:
+            tensors[name] = t.detach().clone().contiguous()
+            reference[name] = t.detach().clone()
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    config = hf_model.config.to_dict()
+    config["quantization_config"] = spec.config(layers)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return reference
+
+
+def fake_quantize_fp8_rows(w: torch.Tensor) -> torch.Tensor:
+    """What quantization="fp8" makes of a float weight: e4m3 with one scale per output
+    row (row amax / 448), dequantized again."""
+    s = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s

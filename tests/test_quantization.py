@@ -260,7 +260,9 @@ def test_detection_and_mismatch(float_model, tmp_path):
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv_fast"}, "gemv_fast"),
-    ({"quant_method": "fp8"}, "fp8"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}, "pack-quantized"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
 ])
 def test_unsupported_layouts_fail_loudly(tmp_path, float_model, raw, message):
     float_path, _ = float_model

@@ -10,9 +10,9 @@ gate_up) hold several checkpoint tensors ("shards") side by side along the outpu
 split on its own so that every rank's slice stays fused.
 
 The weight method (layers/weight_method.py) says how the block is stored and multiplied:
-dense float, GPTQ/AWQ packed integers, GGUF Q4_0/Q8_0 blocks. It is chosen from the
-checkpoint's QuantConfig by `weight_method_for`, so the model code builds every linear
-the same way and never asks which format it holds. At world size 1 every style is plain
+dense float, GPTQ/AWQ packed integers, GGUF Q4_0/Q8_0 blocks, FP8 e4m3 with scales. It is
+chosen from the checkpoint's QuantConfig by `weight_method_for`, so the model code builds
+every linear the same way and never asks which format it holds. At world size 1 every style is plain
 x @ W.T + b, so a model has one code path.
 """
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedllm.distributed import all_gather, all_reduce, divide, get_tp_rank, get_tp_world_size
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
+from pagedllm.model_executor.layers.quantization.fp8 import Fp8Method
 from pagedllm.model_executor.layers.quantization.gguf import GGUFPackedMethod
 from pagedllm.model_executor.layers.quantization.gptq_awq import PackedMethod
 from pagedllm.model_executor.layers.sharding import (
@@ -42,10 +43,11 @@ from pagedllm.model_executor.layers.weight_method import (
 )
 
 # QuantConfig.method -> the weight method that stores it (None: a float checkpoint)
-_WEIGHT_METHODS: dict[str, type[PackedMethod]] = {
+_WEIGHT_METHODS: dict[str, type[PackedMethod] | type[Fp8Method]] = {
     "gptq": PackedMethod,
     "awq": PackedMethod,
     "gguf": GGUFPackedMethod,
+    "fp8": Fp8Method,
 }
 
 

@@ -27,7 +27,25 @@ def read_block(t, *index: slice) -> torch.Tensor:
         return t[index]
     if isinstance(t, torch.Tensor):
         return t
-    return t[()] if not t.get_shape() else t[:]  # a scalar (an fp8 scale) has no slice
+    return t[()] if not t.get_shape() else t[:]  # a 0-dim slice takes no `:`
+
+
+def dtype_of(t) -> torch.dtype:
+    """dtype of a torch tensor or of a lazy safetensors slice (read without its data)."""
+    if isinstance(t, torch.Tensor):
+        return t.dtype
+    name = t.get_dtype()
+    if name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"unknown safetensors dtype {name!r}")
+    return _SAFETENSORS_DTYPES[name]
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def check_shape(what: str, tensor, expected: tuple[int, ...]) -> None:

@@ -7,9 +7,9 @@ parameters for the block (`create`), fills them from full checkpoint tensors, cu
 the block itself (`load`, so packed layouts are sharded along their packed axes), checks
 and prepares them once loading is over (`finish`), and computes x @ W.T (`apply`).
 
-One class per storage format: `DenseMethod` here; GPTQ/AWQ and GGUF-packed in
-layers/quantization/. A new format (FP8: an fp8 weight and its scales, a scaled matmul)
-is one more subclass and one entry in linear.weight_method_for; LoRA is a method that
+One class per storage format: `DenseMethod` here; GPTQ/AWQ, GGUF-packed and FP8 in
+layers/quantization/. A new format is one more subclass and one entry in
+linear.weight_method_for; LoRA is a method that
 wraps another one and adds the adapters' low-rank product to its `apply`. Each layer owns
 its method instance, so per-layer state that is not a parameter (what has been loaded,
 caches, kernel layout choices) lives on the method; parameters always live on the layer,

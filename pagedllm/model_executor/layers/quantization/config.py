@@ -2,45 +2,80 @@
 the user asked for.
 
 A checkpoint says how it was quantized in `config.json -> quantization_config` (transformers
-/ optimum style) or in a side file (`quantize_config.json` from AutoGPTQ, `quant_config.json`
-from older AutoAWQ). The user's `quantization=` setting is only a check: the checkpoint is
-the authority, because a wrong layout would load without error and produce garbage.
+/ optimum / compressed-tensors style) or in a side file (`quantize_config.json` from
+AutoGPTQ, `quant_config.json` from older AutoAWQ). The user's `quantization=` setting is
+only a check: the checkpoint is the authority, because a wrong layout would load without
+error and produce garbage. The one exception is `quantization="fp8"` on a float
+checkpoint: there is nothing to contradict, and the linear layers are quantized at load.
+
+FP8 (e4m3) checkpoints come in three published spellings, all method "fp8" here:
+- compressed-tensors (llm-compressor): `{"quant_method": "compressed-tensors", "format":
+  "float-quantized", "config_groups": {..: {"weights": {"num_bits": 8, "type": "float",
+  "strategy": "tensor" | "channel" | "block" | "group"}, ..}}, "ignore": ["lm_head"]}`;
+  tensors `weight` (float8_e4m3fn) and `weight_scale` ([1], [out, 1], [out/bs, in/bs] or
+  [out, in/group]), w = weight * scale.
+- transformers FineGrainedFP8 (DeepSeek-V3, Qwen3-FP8): `{"quant_method": "fp8",
+  "weight_block_size": [128, 128], "activation_scheme": "dynamic"}`; tensors `weight` and
+  `weight_scale_inv` [ceil(out/128), ceil(in/128)], w = weight * weight_scale_inv
+  (multiplied despite the name). Without weight_block_size (null, or absent as in AutoFP8's
+  `{"quant_method": "fp8", "activation_scheme": "static"}` files, which vLLM reads the same
+  way) the scale is one per tensor, named `weight_scale` or `weight_scale_inv`.
+- transformers fbgemm_fp8: `{"quant_method": "fbgemm_fp8"}`; `weight` and `weight_scale`
+  [out, 1] float32.
+Static activation scales that some of them carry (`input_scale`, `activation_scale`,
+`input_scale_ub`) are read and ignored: activations are always quantized per token, at run
+time, which is at least as fine as one calibrated scale per tensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 # Values accepted for EngineConfig.quantization ("gguf" names the GGUF loader: dequantized at
 # load, or Q4_0/Q8_0 linear layers kept packed on CUDA, see loader/gguf_file.py).
-METHODS = ("gptq", "awq", "gguf")
+METHODS = ("gptq", "awq", "gguf", "fp8")
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
+# checkpoint_format of an FP8 QuantConfig: where its tensors come from ("float": a float
+# checkpoint that quantization="fp8" quantizes at load, per output channel).
+FP8_FORMATS = ("compressed-tensors", "fp8", "fbgemm_fp8", "float")
+FP8_STRATEGIES = ("tensor", "channel", "block")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """How the linear layers of a GPTQ, AWQ or (kept packed) GGUF checkpoint are stored.
+    """How the linear layers of a GPTQ, AWQ, (kept packed) GGUF or FP8 checkpoint are stored.
 
     Only what changes the arithmetic is kept: `sym` needs no field because the stored zeros
     say it. `desc_act` (act-order) is also written in g_idx, but a row-parallel rank must
     know before reading any tensor whether it may keep only its own groups of scales and
     zeros (in group order) or needs the whole group table (act-order scatters groups over
-    the input features), so it is kept.
+    the input features), so it is kept. For FP8, `strategy` and `block_size` say which
+    shape of weight scale to expect, checked against every scale tensor before it is sliced
+    (a per-channel scale read as per-tensor would load without error).
     """
 
-    method: str  # "gptq" | "awq" | "gguf"
+    method: str  # "gptq" | "awq" | "gguf" | "fp8"
     bits: int = 4
     group_size: int = 128  # -1: one group spanning the whole input dimension
-    # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq" (GEMM) | "awq_gemv"; gguf: "q4_0" | "q8_0"
+    # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq" (GEMM) | "awq_gemv"; gguf: "q4_0" | "q8_0";
+    # fp8: one of FP8_FORMATS
     checkpoint_format: str = "gptq"
-    lm_head: bool = False  # GPTQModel can quantize the output head too
+    lm_head: bool = False  # GPTQModel (or a compressed-tensors FP8 export) can quantize the head too
     desc_act: bool = False  # GPTQ act-order: g_idx is not in group order
+    # fp8: weight scales per "tensor", per output "channel", or per `block_size` = (rows,
+    # input columns) tile ("block"; compressed-tensors' per-group scales are (1, group) blocks)
+    strategy: str = ""
+    block_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("gptq", "awq", "gguf"):
+        if self.method not in METHODS:
             raise ValueError(f"unsupported quantization method {self.method!r}")
+        if self.method == "fp8":
+            self._check_fp8()
+            return
         if self.method == "gguf" and (self.group_size, self.checkpoint_format) != (32, f"q{self.bits}_0"):
             raise ValueError(f"GGUF layers are kept packed as Q4_0 or Q8_0 blocks of 32, not {self!r}")
         if self.method == "gptq" and self.bits not in (2, 4, 8):
@@ -49,6 +84,26 @@ class QuantConfig:
             raise ValueError(f"AWQ with {self.bits} bits is not supported (only 4)")
         if self.group_size != -1 and (self.group_size < 1 or self.group_size % (32 // self.bits)):
             raise ValueError(f"group_size must be -1 or a multiple of {32 // self.bits}, got {self.group_size}")
+
+    def _check_fp8(self) -> None:
+        if self.bits != 8:
+            raise ValueError(f"FP8 weights have 8 bits, not {self.bits}")
+        if self.checkpoint_format not in FP8_FORMATS:
+            raise ValueError(f"unknown FP8 checkpoint format {self.checkpoint_format!r} ({', '.join(FP8_FORMATS)})")
+        if self.strategy not in FP8_STRATEGIES:
+            raise ValueError(f"FP8 weight scales per {self.strategy!r} are not supported "
+                             f"({', '.join(FP8_STRATEGIES)} are)")
+        if (self.strategy == "block") != (self.block_size is not None):
+            raise ValueError("FP8 block scales need a block_size, and only they have one")
+        if self.block_size is not None and (len(self.block_size) != 2 or min(self.block_size) < 1):
+            raise ValueError(f"FP8 block_size must be two positive integers, got {self.block_size}")
+
+    @property
+    def scale_names(self) -> tuple[str, ...]:
+        """The checkpoint's names of an FP8 weight's scale tensor, the usual one first
+        (transformers' FineGrainedFP8 calls it weight_scale_inv and multiplies by it all the
+        same; AutoFP8's per-tensor files, also "fp8", call it weight_scale)."""
+        return ("weight_scale_inv", "weight_scale") if self.checkpoint_format == "fp8" else ("weight_scale",)
 
     @property
     def pack_factor(self) -> int:
@@ -66,7 +121,15 @@ class QuantConfig:
     @classmethod
     def default(cls, method: str) -> QuantConfig:
         """The common published layout, for random (dummy) weights without a checkpoint."""
+        if method == "fp8":
+            return cls.fp8_at_load()
         return cls(method, 4, 128, "gptq" if method == "gptq" else "awq")
+
+    @classmethod
+    def fp8_at_load(cls) -> QuantConfig:
+        """quantization="fp8" on a float checkpoint: each linear layer quantized at load to
+        e4m3 with one scale per output channel (the head and embeddings stay float)."""
+        return cls("fp8", 8, checkpoint_format="float", strategy="channel")
 
 
 def _as_dict(qc) -> dict:
@@ -96,6 +159,8 @@ def parse_quant_config(raw: dict) -> QuantConfig:
             raise ValueError("GPTQModel per-module 'dynamic' overrides are not supported")
         return QuantConfig("gptq", bits, group_size, fmt, bool(raw.get("lm_head", False)),
                            bool(raw.get("desc_act", False)))
+    if method in ("fp8", "fbgemm_fp8", "compressed-tensors"):
+        return _parse_fp8(method, raw)
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
         if version not in ("gemm", "gemv"):
@@ -103,7 +168,67 @@ def parse_quant_config(raw: dict) -> QuantConfig:
         if not raw.get("zero_point", True):
             raise ValueError("AWQ without zero points is not supported")
         return QuantConfig("awq", bits, group_size, "awq" if version == "gemm" else "awq_gemv")
-    raise ValueError(f"quantization method {method!r} is not supported (gptq and awq are)")
+    raise ValueError(f"quantization method {method!r} is not supported (gptq, awq, fp8, "
+                     "fbgemm_fp8 and compressed-tensors FP8 are)")
+
+
+def _parse_fp8(method: str, raw: dict) -> QuantConfig:
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(raw)
+    if method == "fbgemm_fp8":  # one float32 scale per output row, always
+        return QuantConfig("fp8", 8, checkpoint_format="fbgemm_fp8", strategy="channel")
+    # transformers always writes weight_block_size (null: one scale per tensor); files
+    # without it are AutoFP8's per-tensor ones (vLLM's reading: no key, no blocks).
+    if raw.get("modules_to_convert"):
+        raise ValueError("FP8 embeddings (FineGrainedFP8 modules_to_convert) are not supported")
+    if str(raw.get("expert_dtype", "fp8")) != "fp8":
+        raise ValueError(f"FP8 checkpoints with {raw['expert_dtype']} experts are not supported")
+    block = raw.get("weight_block_size")
+    if block is None:
+        return QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="tensor")
+    return QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="block",
+                       block_size=(int(block[0]), int(block[1])))
+
+
+def _ignored(module: str, patterns: list[str]) -> bool:
+    """compressed-tensors' `ignore` entries: a module name, or `re:<regex>` matched from the
+    start of the name."""
+    return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
+
+
+def _parse_compressed_tensors(raw: dict) -> QuantConfig:
+    """The FP8 schemes of compressed-tensors (float-quantized weights); every other scheme it
+    can describe (packed int4, int8, NVFP4, sparsity) fails loudly."""
+    groups = raw.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    if raw.get("sparsity_config") and (raw["sparsity_config"].get("format") or "dense") != "dense":
+        raise ValueError("sparse compressed-tensors checkpoints are not supported")
+    schemes = set()
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        fmt = group.get("format") or raw.get("format")
+        if (fmt not in ("float-quantized", "naive-quantized") or weights.get("type") != "float"
+                or int(weights.get("num_bits") or 0) != 8):
+            raise ValueError(f"compressed-tensors {name}: format {fmt!r} with {weights.get('num_bits')}-bit "
+                             f"{weights.get('type')} weights is not supported (8-bit float weights, "
+                             "'float-quantized', are)")
+        if not weights.get("symmetric", True) or weights.get("dynamic"):
+            raise ValueError(f"compressed-tensors {name}: only symmetric, static FP8 weight scales are supported")
+        strategy = str(weights.get("strategy") or "tensor")
+        if strategy == "block":
+            rows, cols = weights["block_structure"]
+            schemes.add(("block", (int(rows), int(cols))))
+        elif strategy == "group":  # one scale per output row and group of inputs: a 1 x group block
+            schemes.add(("block", (1, int(weights["group_size"]))))
+        else:
+            schemes.add((strategy, None))
+    if len(schemes) > 1:
+        raise ValueError(f"compressed-tensors FP8 with different weight scales per layer ({sorted(map(str, schemes))}) "
+                         "is not supported")
+    (strategy, block), = schemes
+    return QuantConfig("fp8", 8, checkpoint_format="compressed-tensors", strategy=strategy, block_size=block,
+                       lm_head=not _ignored("lm_head", list(raw.get("ignore") or [])))
 
 
 def detect_quant_config(model_dir: str | None, hf_config) -> QuantConfig | None:
@@ -140,7 +265,7 @@ def resolve_quant_config(requested: str | None, kind: str, load_format: str, mod
     if requested is None:
         return detected
     if detected is None:
-        if load_format == "dummy":
+        if requested == "fp8" or load_format == "dummy":
             return QuantConfig.default(requested)
         raise ValueError(f"quantization={requested!r} given, but the checkpoint has no "
                          "quantization_config (config.json) or quantize_config.json: it is a "

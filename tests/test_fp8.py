@@ -1,0 +1,454 @@
+"""FP8 (e4m3) weights: the published checkpoint layouts load and compute their dequantized
+weights, quantization="fp8" quantizes a float checkpoint at load, shards under tensor
+parallelism are slices of the whole layer, and (on a GPU with FP8 tensor cores) the
+torch._scaled_mm product agrees with the dequantized one.
+
+The checkpoints come from tests/quant_packers.py (write_fp8_checkpoint, written from the
+formats' own definitions; its compressed-tensors files decompress with the
+compressed-tensors package to the same weights rounded to bf16, and its FineGrainedFP8
+files dequantize in transformers to exactly the same weights). The reference is Hugging
+Face transformers holding those dequantized weights in float32, the "twin": on CPU the
+engine dequantizes once at load into float32, so greedy tokens are equal and logprobs
+agree to 1e-4 (assert_parity), the tolerance of the GPTQ/AWQ parity tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from hf_models import save_tiny_model
+from quant_packers import (
+    FP8Spec,
+    GPTQSpec,
+    assert_parity,
+    fake_quantize_fp8_rows,
+    prompts,
+    quantize_fp8,
+    reference_model,
+    write_fp8_checkpoint,
+    write_quantized_checkpoint,
+)
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    RowParallelLinear,
+)
+from pagedllm.model_executor.layers.quantization import QuantConfig, parse_quant_config
+from pagedllm.model_executor.layers.quantization import fp8 as fp8_method
+from pagedllm.model_executor.layers.quantization.fp8 import Fp8Method
+from pagedllm.model_executor.layers.weight_method import DenseMethod
+
+# hidden 128 / MLP 256: 128x128 blocks are whole; k/v (2 heads x 32) are half a block of rows.
+SHAPE = dict(hidden_size=128, intermediate_size=256)
+# hidden 192 / MLP 320: partial blocks along both dimensions of every block-scaled weight.
+RAGGED = dict(hidden_size=192, intermediate_size=320)
+KW = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("float")
+    return str(path), save_tiny_model(str(path), "llama", **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def ragged_model(tmp_path_factory):
+    return save_tiny_model(str(tmp_path_factory.mktemp("ragged")), "llama", **RAGGED)
+
+
+def _fp8_layers(model) -> list[LinearBase]:
+    return [m for m in model.modules() if isinstance(m, LinearBase) and m.quant is not None]
+
+
+# ---------------------------------------------------------------------------- detection
+CT = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+      "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": {"dynamic": True, "num_bits": 8,
+                                                                                 "type": "float", "strategy": "token"},
+                                    "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                                                "strategy": "channel"}}}}
+
+
+def _ct(**weights) -> dict:
+    raw = json.loads(json.dumps(CT))
+    raw["config_groups"]["group_0"]["weights"].update(weights)
+    return raw
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (_ct(), ("compressed-tensors", "channel", None, False)),
+    (_ct(strategy="tensor"), ("compressed-tensors", "tensor", None, False)),
+    (_ct(strategy="block", block_structure=[128, 128]), ("compressed-tensors", "block", (128, 128), False)),
+    (_ct(strategy="group", group_size=128), ("compressed-tensors", "block", (1, 128), False)),
+    ({**_ct(), "ignore": ["re:.*mlp.gate$"]}, ("compressed-tensors", "channel", None, True)),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+     ("fp8", "block", (128, 128), False)),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, ("fp8", "tensor", None, False)),  # AutoFP8
+    ({"quant_method": "fp8", "weight_block_size": None}, ("fp8", "tensor", None, False)),
+    ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, ("fbgemm_fp8", "channel", None, False)),
+])
+def test_fp8_configs_are_detected(raw, expected):
+    q = parse_quant_config(raw)
+    assert q.method == "fp8" and q.bits == 8
+    assert (q.checkpoint_format, q.strategy, q.block_size, q.lm_head) == expected
+    assert q.scale_names[-1] == "weight_scale"
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({**_ct(num_bits=4, type="int"), "format": "pack-quantized"}, "pack-quantized"),
+    (_ct(type="int"), "8-bit float weights"),
+    (_ct(symmetric=False), "symmetric"),
+    ({**CT, "config_groups": {"a": CT["config_groups"]["group_0"],
+                              "b": _ct(strategy="tensor")["config_groups"]["group_0"]}}, "different weight scales"),
+    ({"quant_method": "fp8", "modules_to_convert": ["model.embed_tokens"]}, "embeddings"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "config_groups"),
+])
+def test_unsupported_fp8_layouts_fail_loudly(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_quant_config(raw)
+
+
+# ---------------------------------------------------------------------------- one layer
+def _load(layer: LinearBase, tensors: dict[str, torch.Tensor], shard: str | None = None) -> None:
+    for name, t in tensors.items():
+        layer.load_shard(name, shard, t)
+
+
+SPECS = [FP8Spec("compressed-tensors", "tensor"), FP8Spec("compressed-tensors", "channel"),
+         FP8Spec("compressed-tensors", "block"), FP8Spec("compressed-tensors", "block", (1, 64)),
+         FP8Spec("fp8", "block"), FP8Spec("fp8", "tensor"), FP8Spec("fbgemm_fp8", "channel"),
+         FP8Spec("autofp8", "tensor")]
+
+
+def _quant(spec: FP8Spec) -> QuantConfig:
+    return parse_quant_config(spec.config(1))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_fused_layer_dequantizes_each_shard_exactly(spec):
+    """q|k|v shards of different sizes (k/v cut a 128-row block in half; 200 inputs leave a
+    partial block), each with its own scale: the CPU layer holds exactly q * scale, and
+    per-tensor shards keep their own scales (no requantization to a common one)."""
+    sizes = {"q": 256, "k": 64, "v": 64}
+    layer = ColumnParallelLinear(200, sizes, False, _quant(spec))
+    expected = []
+    for i, (shard, n) in enumerate(sizes.items()):
+        w = torch.randn(n, 200, generator=torch.Generator().manual_seed(i)) * (i + 1)
+        tensors, deq = quantize_fp8(w, spec, torch.float32)
+        _load(layer, tensors, shard)
+        expected.append(deq)
+    layer.finish_loading()
+    assert layer.weight_scale is None and layer.weight.dtype == torch.float32  # dequantized at load
+    assert torch.equal(layer.weight, torch.cat(expected))
+    x = torch.randn(3, 200)
+    torch.testing.assert_close(layer(x), x @ torch.cat(expected).T)
+
+
+def test_missing_and_wrong_scales_are_reported():
+    spec = FP8Spec("compressed-tensors", "channel")
+    tensors, _ = quantize_fp8(torch.randn(32, 64), spec, torch.bfloat16)
+    layer = ColumnParallelLinear(64, 32, False, _quant(spec))
+    layer.load_shard("weight", None, tensors["weight"])
+    with pytest.raises(ValueError, match="weight_scale"):
+        layer.finish_loading()
+    with pytest.raises(ValueError, match=r"\(1,\)"):  # a per-tensor scale where channels are expected
+        layer.load_shard("weight_scale", None, torch.ones(1))
+    with pytest.raises(ValueError, match="no place"):
+        layer.load_shard("qweight", None, torch.ones(1))
+
+
+def test_float_shard_beside_fp8_shards_is_refused():
+    spec = FP8Spec("compressed-tensors", "channel")
+    layer = ColumnParallelLinear(64, {"gate": 32, "up": 32}, False, _quant(spec))
+    tensors, _ = quantize_fp8(torch.randn(32, 64), spec, torch.bfloat16)
+    _load(layer, tensors, "gate")
+    layer.load_shard("weight", "up", torch.randn(32, 64))
+    with pytest.raises(ValueError, match="came as a float weight"):
+        layer.finish_loading()
+
+
+def test_cpu_dequantization_is_logged(caplog):
+    fp8_method._logged.clear()
+    spec = FP8Spec("fbgemm_fp8", "channel")
+    layer = ColumnParallelLinear(64, 32, False, _quant(spec))
+    _load(layer, quantize_fp8(torch.randn(32, 64), spec, torch.float32)[0])
+    with caplog.at_level(logging.INFO, logger=fp8_method.__name__):
+        layer.finish_loading()
+    assert "FP8 weights dequantized to float32 at load: this device has no FP8 matmul" in caplog.text
+    assert not layer.method.fp8_matmul
+
+
+# ---------------------------------------------------------------------------- whole models
+MODEL_SPECS = [
+    FP8Spec("compressed-tensors", "tensor", static_input=True),
+    FP8Spec("compressed-tensors", "channel", not_converted=("mlp.down_proj",)),
+    FP8Spec("compressed-tensors", "block"),
+    FP8Spec("fp8", "block"),
+    FP8Spec("fp8", "tensor"),
+    FP8Spec("fbgemm_fp8", "channel"),
+    FP8Spec("autofp8", "tensor", static_input=True),
+]
+
+
+@pytest.mark.parametrize("spec", MODEL_SPECS, ids=repr)
+def test_fp8_checkpoint_matches_its_dequantized_twin(float_model, tmp_path, spec):
+    """The engine on the FP8 checkpoint = HF on the float32 weights it encodes."""
+    _, hf = float_model
+    ref = reference_model(hf, write_fp8_checkpoint(hf, str(tmp_path), spec))
+    llm = LLM(model=str(tmp_path), **KW)
+    assert_parity(llm, ref, prompts(3, seed=7))
+    model = llm.engine.executor.model
+    layers = _fp8_layers(model)
+    assert len(layers) == 2 * 4 and model.lm_head not in layers  # qkv, o, gate_up, down per layer; head float
+    dense = [m for m in layers if isinstance(m.method, DenseMethod)]
+    assert len(dense) == (2 if spec.not_converted else 0)  # the unconverted down_proj layers
+    assert all(isinstance(m.method, Fp8Method) and not m.method.fp8_matmul for m in layers if m not in dense)
+
+
+def test_block_checkpoint_with_partial_blocks(ragged_model, tmp_path):
+    """Every block-scaled weight ends in partial 128-blocks (192 and 320 features)."""
+    ref = reference_model(ragged_model, write_fp8_checkpoint(ragged_model, str(tmp_path), FP8Spec("fp8", "block")))
+    assert_parity(LLM(model=str(tmp_path), **KW), ref, prompts(2, seed=3))
+
+
+def test_fp8_twin_differs_from_the_float_model(float_model, tmp_path):
+    """The parity above would hold vacuously if the fp8 rounding changed nothing."""
+    _, hf = float_model
+    ref = reference_model(hf, write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "tensor")))
+    ids = torch.tensor([prompts(1, seed=7)[0]])
+    with torch.no_grad():
+        diff = (hf(ids).logits - ref(ids).logits).abs().max().item()
+    assert diff > 1e-3
+
+
+def test_quantization_fp8_on_a_float_checkpoint(float_model, caplog):
+    """quantization="fp8" quantizes every decoder linear layer per output row at load (not
+    the head or embeddings); on CPU they are dequantized again, so the engine equals HF
+    holding the quantize-dequantize of the original weights."""
+    path, hf = float_model
+    fp8_method._logged.clear()
+    with caplog.at_level(logging.INFO, logger=fp8_method.__name__):
+        llm = LLM(model=path, quantization="fp8", **KW)
+    assert "FP8 weights dequantized to float32 at load: this device has no FP8 matmul" in caplog.text
+    state = {name: fake_quantize_fp8_rows(t) if ".layers." in name and name.endswith("proj.weight") else t
+             for name, t in hf.state_dict().items()}
+    assert sum(not torch.equal(state[n], t) for n, t in hf.state_dict().items()) == 2 * 7
+    assert_parity(llm, reference_model(hf, state), prompts(3, seed=7))
+    model = llm.engine.executor.model
+    assert len(_fp8_layers(model)) == 2 * 4 and model.lm_head not in _fp8_layers(model)
+
+
+def test_dummy_weights_with_fp8(tmp_path):
+    """load_format='dummy' + quantization='fp8' (the benchmark's path) builds FP8 layers."""
+    from hf_models import make_config
+
+    cfg = make_config("llama", **SHAPE).to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(model=str(tmp_path), load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
+              num_kv_blocks=32)
+    layers = _fp8_layers(llm.engine.executor.model)
+    assert len(layers) == 8 and all(isinstance(m.method, Fp8Method) for m in layers)
+    w = layers[0].dequantized_weight()
+    assert 0.01 < w.std().item() < 0.04
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_quantization_setting_must_agree_with_the_checkpoint(float_model, tmp_path):
+    float_path, hf = float_model
+    write_quantized_checkpoint(hf, str(tmp_path / "gptq"), GPTQSpec())
+    write_fp8_checkpoint(hf, str(tmp_path / "fp8"), FP8Spec("fp8", "block"))
+    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+        LLM(model=str(tmp_path / "gptq"), quantization="fp8", **KW)
+    with pytest.raises(ValueError, match="quantized with 'fp8'"):
+        LLM(model=str(tmp_path / "fp8"), quantization="awq", **KW)
+    LLM(model=str(tmp_path / "fp8"), quantization="FP8", **KW)  # agrees: fine
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+def _as_rank(monkeypatch, rank: int, world: int = 2) -> None:
+    from pagedllm.distributed import parallel_state
+
+    monkeypatch.setattr(parallel_state, "_state", parallel_state._State(rank, world))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_fp8_shards_are_slices_of_the_full_layer(monkeypatch, spec):
+    """Column-parallel ranks keep their output rows and those rows' scales (a per-tensor
+    scale replicated), row-parallel ranks their input columns and, for block scales, the
+    scale columns of that slice."""
+    k, n = 256, 192  # 96 rows a rank: column ranks cut a 128-row block
+    tensors, deq = quantize_fp8(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), spec, torch.float32)
+    for rank in range(2):
+        _as_rank(monkeypatch, rank)
+        col = ColumnParallelLinear(k, n, False, _quant(spec))
+        row = RowParallelLinear(k, n, False, _quant(spec))
+        for layer in (col, row):
+            _load(layer, tensors)
+            layer.finish_loading()
+        assert torch.equal(col.dequantized_weight(), deq[rank * n // 2:(rank + 1) * n // 2])
+        assert torch.equal(row.dequantized_weight(), deq[:, rank * k // 2:(rank + 1) * k // 2])
+
+
+def test_row_parallel_block_split_must_fall_on_blocks(monkeypatch):
+    _as_rank(monkeypatch, 1)
+    with pytest.raises(ValueError, match="whole scale blocks of 128"):
+        RowParallelLinear(128, 64, False, QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="block",
+                                                      block_size=(128, 128)))
+
+
+def test_tp2_fp8_greedy_equals_tp1(float_model, tmp_path):
+    """Per-tensor scales (replicated on both ranks, one per fused shard) through two worker
+    processes: the same greedy tokens as one in-process engine."""
+    from test_tensor_parallel import _assert_tp2_equals_tp1
+
+    _, hf = float_model
+    write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "tensor"))
+    _assert_tp2_equals_tp1(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- the FP8 matmul path
+# PyTorch's CPU torch._scaled_mm has the row-wise recipe (not the 128-block ones), so the
+# path CUDA takes (probe at load, per-token activations, scale layouts, bias, dtypes) runs
+# here too once the device check is bypassed; only the GPU kernels themselves are not.
+def _cpu_scaled_mm() -> bool:
+    q = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _bf16_layer(spec: FP8Spec, sizes: dict[str | None, int], k: int, device=None):
+    """A fused column-parallel FP8 layer with bias, built in bf16, loaded, finished; and
+    the float32 weight it encodes."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device or "cpu"):
+            layer = ColumnParallelLinear(k, sizes, True, _quant(spec))
+    finally:
+        torch.set_default_dtype(prev)
+    weights = []
+    for i, (shard, n) in enumerate(sizes.items()):
+        w = torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * (i + 1)
+        tensors, deq = quantize_fp8(w, spec, torch.float32)
+        _load(layer, tensors, shard)
+        layer.load_shard("bias", shard, torch.randn(n, generator=torch.Generator().manual_seed(10 + i)))
+        weights.append(deq)
+    layer.finish_loading()
+    return layer, torch.cat(weights)
+
+
+def _assert_fp8_product(layer, w: torch.Tensor, device=None) -> None:
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, layer.in_features, device=device, dtype=torch.bfloat16)
+        out = layer(x)
+        want = x.float() @ w.to(x.device).T + layer.bias.float()
+        assert out.dtype == torch.bfloat16 and out.shape == want.shape
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert 0 < err < 0.08  # per-token e4m3 activations: a few percent, never exact
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this PyTorch has no CPU torch._scaled_mm")
+@pytest.mark.parametrize("spec", [FP8Spec("compressed-tensors", "tensor"), FP8Spec("fbgemm_fp8", "channel")],
+                         ids=repr)
+def test_scaled_mm_path_on_cpu(monkeypatch, spec):
+    monkeypatch.setattr(Fp8Method, "_why_not_fp8", lambda self, layer: None)
+    layer, w = _bf16_layer(spec, {"q": 128, "k": 32, "v": 32}, 256)
+    assert layer.method.fp8_matmul and layer.weight.dtype == torch.float8_e4m3fn
+    assert layer.weight_scale.shape == (192, 1) and layer.weight_scale.dtype == torch.float32
+    _assert_fp8_product(layer, w)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)  # batch-invariant mode: the dequantized product
+    from pagedllm import batch_invariant
+
+    with batch_invariant.enabled(True):
+        assert torch.equal(layer(x), batch_invariant.linear(x, w.bfloat16(), layer.bias))
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this PyTorch has no CPU torch._scaled_mm")
+def test_refused_scaled_mm_falls_back_to_dequantized_weights(monkeypatch, caplog):
+    """Block scales: the CPU torch._scaled_mm has no 128-block recipe, so the probe at load
+    fails and the layer is dequantized, with a warning, instead of failing in a forward."""
+    monkeypatch.setattr(Fp8Method, "_why_not_fp8", lambda self, layer: None)
+    fp8_method._logged.clear()
+    with caplog.at_level(logging.WARNING, logger=fp8_method.__name__):
+        layer, w = _bf16_layer(FP8Spec("fp8", "block"), {"gate": 256, "up": 256}, 256)
+    assert "torch._scaled_mm refused the layer" in caplog.text
+    assert not layer.method.fp8_matmul and layer.weight.dtype == torch.bfloat16 and layer.weight_scale is None
+    assert torch.equal(layer.weight, w.bfloat16())
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this PyTorch has no CPU torch._scaled_mm")
+def test_model_runs_on_the_scaled_mm_path(float_model, tmp_path, monkeypatch):
+    """A whole bf16 model with its weights kept in fp8: 1 byte a linear weight in the
+    engine's weight memory, and generation through torch._scaled_mm."""
+    monkeypatch.setattr(Fp8Method, "_why_not_fp8", lambda self, layer: None)
+    _, hf = float_model
+    write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "channel"))
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", **KW)
+    model = llm.engine.executor.model
+    layers = _fp8_layers(model)
+    assert all(m.method.fp8_matmul and m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    linear = sum(m.weight.numel() for m in layers)
+    rows = sum(m.out_features for m in layers)
+    rest = sum(p.numel() * 2 for n, p in model.named_parameters() if not n.endswith(("proj.weight", "weight_scale")))
+    assert llm.engine.executor.weight_bytes == linear + 4 * rows + rest
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts(2, seed=7)],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+
+
+def test_token_block_quantization_layout():
+    """Activations per token and 128 inputs (the 1x128 recipe): scale [M, K/128] stored
+    outer-dim-major (strides (1, M)), partial last block, x ~ q * scale within e4m3."""
+    x = torch.randn(5, 300) * torch.linspace(0.1, 10, 300)
+    q, s = fp8_method.quantize_token_blocks(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (5, 300) and q.is_contiguous()
+    assert s.shape == (5, 3) and s.stride() == (1, 5)
+    back = q.float() * s.repeat_interleave(128, dim=1)[:, :300]
+    assert ((back - x).abs() <= x.abs() / 16 + s.repeat_interleave(128, 1)[:, :300] * 2**-9).all()
+    for j in range(3):  # each block's largest value maps to 448
+        assert torch.equal(q[:, j * 128:(j + 1) * 128].float().abs().amax(1), torch.full((5,), 448.0))
+
+
+# ---------------------------------------------------------------------------- CUDA
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [FP8Spec("compressed-tensors", "tensor"), FP8Spec("fbgemm_fp8", "channel"),
+                                  FP8Spec("fp8", "block")], ids=repr)
+def test_scaled_mm_matches_the_dequantized_product(spec):
+    """On a GPU with FP8 tensor cores the layer keeps fp8 weights and multiplies with
+    torch._scaled_mm (block scales: on SM90); its bf16 product is within the error of
+    per-token e4m3 activations (about 3%, here < 8%) of the dequantized product."""
+    if not _fp8_gpu():
+        pytest.skip("needs compute capability 8.9 or newer")
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    layer, w = _bf16_layer(spec, {"q": 512, "k": 128, "v": 128}, 1024, device="cuda")
+    assert layer.method.fp8_matmul == (spec.strategy != "block" or hopper)
+    _assert_fp8_product(layer, w, device="cuda")
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_generates_on_cuda(float_model, tmp_path):
+    """The whole model on CUDA with FP8 matmuls follows the bf16 twin's greedy tokens at
+    first (the activations' e4m3 rounding may flip a later near-tie)."""
+    if not _fp8_gpu():
+        pytest.skip("needs compute capability 8.9 or newer")
+    _, hf = float_model
+    write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "channel"))
+    llm = LLM(model=str(tmp_path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=64)
+    layers = _fp8_layers(llm.engine.executor.model)
+    assert layers and all(m.method.fp8_matmul and m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts(3, seed=7)],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
