@@ -114,6 +114,14 @@ def looks_like_hub_id(model: str) -> bool:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
+# Decoding sequences above which no drafts are proposed, when the user sets none. A CPU
+# step is compute bound from a few sequences on: on the 2-core CPU with SmolLM2, 16
+# sequences decode at about the rate of one (each token costs its share of the matmuls), so
+# a rejected draft costs a whole token there: speculation measured 0.84x at 16 sequences
+# with a quarter of the drafts accepted, and 2.7x alone on a copy task
+# (benchmarks/spec_decode_bench.py). A GPU step is bound by reading the weights up to
+# dozens of sequences, where drafts ride along almost free.
+DEFAULT_SPEC_MAX_BATCH = {"cuda": 32, "cpu": 4}
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    max_batch_size: int = 32
+    max_batch_size: int | None = None  # None: the device's DEFAULT_SPEC_MAX_BATCH
     min_acceptance_rate: float = 0.2
 
     @classmethod
@@ -162,6 +170,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.method 'draft_model' is not built yet; use 'ngram'")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size"):
             v = getattr(self, name)
+            if v is None and name == "max_batch_size":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -336,11 +346,15 @@ class EngineConfig:
         asyn = self.async_scheduling
         if asyn is None:  # overlap needs a device that computes apart from the host
             asyn = kind == "cuda" and one_device
-        if self.speculative_config is not None and asyn:
-            # Drafts are proposed from every token sampled so far, on the host: the next
-            # step cannot be laid out before this one is read.
-            logging.getLogger(__name__).info("speculative decoding: async scheduling turned off")
-            asyn = False
+        spec = self.speculative_config
+        if spec is not None:
+            if spec.max_batch_size is None:
+                spec = replace(spec, max_batch_size=DEFAULT_SPEC_MAX_BATCH.get(kind, 4))
+            if asyn:
+                # Drafts are proposed from every token sampled so far, on the host: the
+                # next step cannot be laid out before this one is read.
+                logging.getLogger(__name__).info("speculative decoding: async scheduling turned off")
+                asyn = False
         invariant = self.batch_invariant
         if invariant is None:
             flag = os.environ.get("PAGEDLLM_BATCH_INVARIANT", "").strip().lower()
@@ -348,7 +362,7 @@ class EngineConfig:
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len,
                        max_num_batched_tokens=budget, async_scheduling=asyn,
                        max_prefill_tokens_with_decodes=prefill_cap,
-                       batch_invariant=invariant, resolved=True)
+                       batch_invariant=invariant, speculative_config=spec, resolved=True)
 
     @property
     def model_name(self) -> str:

@@ -19,7 +19,8 @@ from pagedllm.core.ngram_proposer import NgramProposer, find_ngram_draft
 from pagedllm.entrypoints.openai.cli_args import engine_config, make_arg_parser
 from pagedllm.model_executor.layers.sampler import Sampler, SamplingBatch
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "max_batch_size": 8}
 
 
 # ---------------------------------------------------------------------- configuration
@@ -51,6 +52,8 @@ def test_config_from_dict_json_and_flag_turns_async_off(tiny_models):
         EngineConfig(model=path, speculative_config="{nope")
     resolved = EngineConfig(model=path, speculative_config=SPEC, async_scheduling=True).resolve(hf.config, False)
     assert resolved.async_scheduling is False
+    default = EngineConfig(model=path, speculative_config={"method": "ngram"}).resolve(hf.config, False)
+    assert default.speculative_config.max_batch_size == 4  # the CPU's: compute bound early
     args = make_arg_parser().parse_args(["--model", path, "--speculative-config",
                                          '{"method": "ngram", "num_speculative_tokens": 5}'])
     assert engine_config(args).speculative_config.num_speculative_tokens == 5
