@@ -240,3 +240,49 @@ def test_rejected_drafts_are_rolled_back_and_never_hashed():
     out = sched.schedule()
     (c,) = out.chunks
     assert c.full_table and c.start == 8
+
+
+# ---------------------------------------------------------------------- a real model
+@pytest.fixture(scope="module")
+def smol_spec():
+    return LLM(max_model_len=2048, seed=0, kv_cache_memory="256MiB",
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "prompt_lookup_min": 2})
+
+
+def test_smollm_copies_with_drafts_and_stop_strings_cut_the_text(smol_llm, smol_spec):
+    """SmolLM2 asked to repeat a sentence: most drafts are accepted, the text is the same
+    as without speculation, and a stop string inside a verified chunk cuts it there."""
+    tok = smol_llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "Repeat the following text exactly: "
+                                     "The quick brown fox jumps over the lazy dog near the river bank."}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = {"prompt_token_ids": list(tok.encode(text, add_special_tokens=False))}
+    params = SamplingParams(temperature=0, max_tokens=30)
+    before = smol_spec.engine.stats().spec_num_accepted_tokens
+    (want,), (got,) = smol_llm.generate([prompt], params), smol_spec.generate([prompt], params)
+    assert got.outputs[0].text == want.outputs[0].text
+    assert smol_spec.engine.stats().spec_num_accepted_tokens - before >= 5
+    words = want.outputs[0].text.split()
+    stop = words[len(words) // 2]
+    params = SamplingParams(temperature=0, max_tokens=30, stop=[stop])
+    (cut,) = smol_spec.generate([prompt], params)
+    assert cut.outputs[0].text == smol_llm.generate([prompt], params)[0].outputs[0].text
+    assert cut.outputs[0].finish_reason == "stop" and stop not in cut.outputs[0].text
+
+
+def test_metrics_count_drafts_and_accepted_tokens():
+    from pagedllm.engine.messages import SchedulerStats
+    from pagedllm.metrics import EngineMetrics
+
+    m = EngineMetrics("m")
+    m.update_pool(SchedulerStats(0, 0, 0.0, 8, 8, 0, 0, 0, 3, 12, 7, [3, 2, 1, 1]))
+    m.update_pool(SchedulerStats(0, 0, 0.0, 8, 8, 0, 0, 0, 4, 16, 9, [4, 3, 1, 1]))
+
+    def value(name, **labels):
+        return m.registry.get_sample_value(f"pagedllm:{name}_total", {"model_name": "m", **labels})
+
+    assert value("spec_decode_num_draft_tokens") == 16
+    assert value("spec_decode_num_accepted_tokens") == 9
+    assert value("spec_decode_num_drafts") == 4
+    assert value("spec_decode_num_accepted_tokens_per_pos", position="1") == 3

@@ -14,6 +14,8 @@ hits first, at admission, then fresh blocks) and `free` drops the whole table. N
 ever replaced in place (there is no sliding-window freeing of old blocks), which is what
 lets the scheduler send workers only the ids appended since a request's previous step; a
 change that recycles blocks inside a live table must send workers a full table instead.
+The one exception is `trim` (speculative decoding gives back the blocks it took for
+rejected drafts): the scheduler then sends that request's whole table again.
 """
 
 from __future__ import annotations
