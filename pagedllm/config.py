@@ -7,6 +7,7 @@ keyword arguments through the next.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -112,6 +113,75 @@ def looks_like_hub_id(model: str) -> bool:
             and not model.lower().endswith(_FILE_SUFFIXES) and not os.path.exists(model))
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+# Decoding sequences above which no drafts are proposed, when the user sets none. A CPU
+# step is compute bound from a few sequences on: on the 2-core CPU with SmolLM2, 16
+# sequences decode at about the rate of one (each token costs its share of the matmuls), so
+# a rejected draft costs a whole token there: speculation measured 0.84x at 16 sequences
+# with a quarter of the drafts accepted, and 2.7x alone on a copy task
+# (benchmarks/spec_decode_bench.py). A GPU step is bound by reading the weights up to
+# dozens of sequences, where drafts ride along almost free.
+DEFAULT_SPEC_MAX_BATCH = {"cuda": 32, "cpu": 4}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `speculative_config` dict spells it.
+
+    n-gram (prompt lookup): each step, the longest suffix of a request's tokens (between
+    `prompt_lookup_min` and `prompt_lookup_max` tokens) that occurred earlier in them
+    proposes the `num_speculative_tokens` tokens that followed it; the target model checks
+    them all in one forward pass. Proposals stop for a request whose recent acceptance
+    (an EWMA of the accepted fraction) falls below `min_acceptance_rate`, and for the whole
+    batch while more than `max_batch_size` sequences decode: there a step is bound by the
+    weights no more, and unaccepted drafts would cost throughput."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    max_batch_size: int | None = None  # None: the device's DEFAULT_SPEC_MAX_BATCH
+    min_acceptance_rate: float = 0.2
+
+    @classmethod
+    def from_value(cls, value) -> SpeculativeConfig | None:
+        """From a dict (the Python API), a JSON string (the CLI) or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        for key in value:
+            if key not in known:
+                raise ValueError(f"speculative_config: unknown field {key!r} (known: {sorted(known)})")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not built yet; use 'ngram'")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size"):
+            v = getattr(self, name)
+            if v is None and name == "max_batch_size":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError("speculative_config.min_acceptance_rate must be in [0, 1], got "
+                             f"{self.min_acceptance_rate!r}")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None
@@ -166,6 +236,9 @@ class EngineConfig:
     # Default sampling settings: "auto" takes them from the checkpoint's
     # generation_config.json, "vllm" ignores it, anything else is a folder holding one.
     generation_config: str = "auto"
+    # Speculative decoding (SpeculativeConfig, or its dict / JSON spelling); None: off.
+    # Turns async scheduling off (a step's drafts come from the previous step's tokens).
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # Set by resolve(): every default above has been filled in from the model and device.
     resolved: bool = False
 
@@ -232,6 +305,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto|fp8|fp8_e4m3, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
 
     def resolve(self, hf_config, cuda_available: bool) -> EngineConfig:
         """A copy with every default filled once, from the model's config and the device:
@@ -272,6 +346,15 @@ class EngineConfig:
         asyn = self.async_scheduling
         if asyn is None:  # overlap needs a device that computes apart from the host
             asyn = kind == "cuda" and one_device
+        spec = self.speculative_config
+        if spec is not None:
+            if spec.max_batch_size is None:
+                spec = replace(spec, max_batch_size=DEFAULT_SPEC_MAX_BATCH.get(kind, 4))
+            if asyn:
+                # Drafts are proposed from every token sampled so far, on the host: the
+                # next step cannot be laid out before this one is read.
+                logging.getLogger(__name__).info("speculative decoding: async scheduling turned off")
+                asyn = False
         invariant = self.batch_invariant
         if invariant is None:
             flag = os.environ.get("PAGEDLLM_BATCH_INVARIANT", "").strip().lower()
@@ -279,7 +362,7 @@ class EngineConfig:
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len,
                        max_num_batched_tokens=budget, async_scheduling=asyn,
                        max_prefill_tokens_with_decodes=prefill_cap,
-                       batch_invariant=invariant, resolved=True)
+                       batch_invariant=invariant, speculative_config=spec, resolved=True)
 
     @property
     def model_name(self) -> str:

@@ -89,7 +89,15 @@ class EngineMetrics:
         self.inter_token_latency = hist("inter_token_latency_seconds", "Time between tokens of a sequence.", _ITL_BUCKETS)
         self.e2e_request_latency = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.request_queue_time = hist("request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS)
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Sequence steps that verified speculative drafts.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
+        self._spec_per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative draft tokens accepted, by position in the draft.",
+                                     ["model_name", "position"], registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_spec = (0, 0, 0)
+        self._last_spec_pos: list[int] = []
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()
@@ -105,3 +113,14 @@ class EngineMetrics:
         self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_queries, self._last_hits = stats.prefix_queries, stats.prefix_hits
         self._last_preemptions = stats.num_preemptions
+        spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+        if spec != self._last_spec:
+            for c, now, last in zip((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                                     self.spec_decode_num_accepted_tokens), spec, self._last_spec, strict=True):
+                c.inc(now - last)
+            self._last_spec = spec
+            last_pos = self._last_spec_pos + [0] * (len(stats.spec_accepted_per_pos) - len(self._last_spec_pos))
+            for pos, (now, last) in enumerate(zip(stats.spec_accepted_per_pos, last_pos, strict=True)):
+                if now > last:
+                    self._spec_per_pos.labels(self._model, str(pos)).inc(now - last)
+            self._last_spec_pos = list(stats.spec_accepted_per_pos)

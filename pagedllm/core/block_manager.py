@@ -14,6 +14,8 @@ hits first, at admission, then fresh blocks) and `free` drops the whole table. N
 ever replaced in place (there is no sliding-window freeing of old blocks), which is what
 lets the scheduler send workers only the ids appended since a request's previous step; a
 change that recycles blocks inside a live table must send workers a full table instead.
+The one exception is `trim` (speculative decoding gives back the blocks it took for
+rejected drafts): the scheduler then sends that request's whole table again.
 """
 
 from __future__ import annotations
@@ -147,6 +149,23 @@ class KVCacheManager:
                 self.cached[h] = b
                 self.block_hash[b] = h
         self._num_hashed[req.request_id] = n_full
+
+    def trim(self, req: Request, num_tokens: int) -> bool:
+        """Return the blocks of `req` past its first `num_tokens` tokens (those held only
+        for rejected speculative tokens). They hold no hash (only computed tokens' full
+        blocks are hashed) and go first in the eviction order. True if the table shrank:
+        the caller must then send workers a whole table again."""
+        table = self.tables.get(req.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is None or len(table) <= keep:
+            return False
+        for b in reversed(table[keep:]):
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
+                self.free_queue.move_to_end(b, last=False)
+        del table[keep:]
+        return True
 
     def free(self, req: Request) -> None:
         """Return a request's blocks. Tail blocks are queued for eviction before the prefix

@@ -59,6 +59,9 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    # Speculative decoding: False for a request whose sampling needs every earlier token
+    # on the host per position (penalties, min_tokens, a grammar): it never gets drafts.
+    allow_spec: bool = True
     last_token_time: float | None = None
 
     @property

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import Request, RequestStatus
 
 
@@ -60,6 +61,9 @@ class ScheduledChunk:
     new_block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     full_table: bool = False
+    # Speculative decoding: tokens proposed after the request's last one, computed in this
+    # chunk behind it (num_tokens = 1 + len(draft_token_ids)) and verified by the worker.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -93,6 +97,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_prefill_tokens_with_decodes: int = 0,
+        proposer: NgramProposer | None = None,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -112,6 +117,13 @@ class Scheduler:
         # its blocks are freed (preemption, finish), so its next chunk sends a full table.
         self._blocks_sent: dict[str, int] = {}
         self.num_preemptions_total = 0
+        # Speculative decoding: drafts are proposed here, from the tokens on the host, and
+        # the acceptance counts kept for the metrics (per draft position too).
+        self.proposer = proposer
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = [0] * (proposer.k if proposer else 0)
 
     # ------------------------------------------------------------------ admission
     def max_request_tokens(self) -> int:
@@ -195,6 +207,10 @@ class Scheduler:
         decoding = any(not self._prefilling(r) and self._to_compute(r) for r in self.running)
         prefill_left = cap if cap and decoding else budget
 
+        speculate = self.proposer is not None and self.proposer.enabled_for_batch(
+            sum(1 for r in self.running if not self._prefilling(r)))
+        drafts: dict[str, list[int]] = {}
+
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -203,11 +219,21 @@ class Scheduler:
                 i += 1  # its last token is in flight: nothing left to compute
                 continue
             prefill = self._prefilling(req)
+            if speculate and not prefill and want == 1 and not req.num_pending and req.allow_spec:
+                # Room for the drafts: every one accepted plus the bonus token must stay
+                # within max_tokens, the context and this step's budget.
+                room = min(req.max_tokens - req.num_output_tokens,
+                           self.max_model_len - req.num_tokens, budget) - 1
+                draft = self.proposer.propose(req.request_id, req.tokens(0, req.num_tokens), room)
+                if draft:
+                    drafts[req.request_id] = draft
+                    want += len(draft)
             n = min(want, budget, prefill_left if prefill else budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.num_preemptions += 1
+                drafts.pop(victim.request_id, None)
                 if victim is req:
                     break
             else:
@@ -249,7 +275,8 @@ class Scheduler:
                         req.sampling_params,
                     )
                 )
-            sample = req.num_computed_tokens + n == req.num_tokens + req.num_pending
+            draft = drafts.get(req.request_id, [])
+            sample = req.num_computed_tokens + n - len(draft) == req.num_tokens + req.num_pending
             table = self.kv.block_table(req.request_id)
             sent = self._blocks_sent.get(req.request_id)
             # Tables only grow while blocks are held (KVCacheManager), so ids the worker
@@ -264,6 +291,7 @@ class Scheduler:
                     table[sent or 0 :],  # a copy: the table grows in later steps
                     sample,
                     full_table=sent is None,
+                    draft_token_ids=draft,
                 )
             )
             # Advanced now, so that the next step can be scheduled before this one returns.
@@ -274,9 +302,12 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ results
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, int | None]]:
+    def update(self, out: SchedulerOutput,
+               sampled: dict[str, int | list[int]]) -> list[tuple[Request, int | None]]:
         """Take in what a step sampled: append the tokens and apply token-level stop rules.
-        Returns (request, new token) for each request that got a token.
+        Returns (request, new token) for each token a request got, in order: a chunk with
+        drafts yields a list (its accepted drafts and the token after them); tokens past a
+        stop are dropped, and the KV of rejected drafts is given up (`_roll_back`).
 
         With async scheduling a later step may already be scheduled (or running) when this
         is called: a request that stops here computed one token too many there, which is
@@ -292,18 +323,44 @@ class Scheduler:
                     self.kv.cache_full_blocks(req)
                 continue
             req.num_pending -= 1
-            token = sampled.get(chunk.request_id)
-            if token is None:
+            got = sampled.get(chunk.request_id)
+            if got is None:
                 continue  # failed alone: the engine aborts it
-            req.output_token_ids.append(token)
+            tokens = got if isinstance(got, list) else [got]
+            if chunk.draft_token_ids:
+                self._roll_back(req, chunk, len(tokens) - 1)
+            status = None
+            for token in tokens:
+                req.output_token_ids.append(token)
+                results.append((req, token))
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break  # tokens past a stop (or max_tokens) are dropped
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(req)
-            status = self._check_stop(req, token)
             if status is not None:
                 self._remove(req)
                 self._finish(req, status)
-            results.append((req, token))
         return results
+
+    def _roll_back(self, req: Request, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """Count a verified chunk's drafts, and forget the KV of the rejected ones: the
+        computed tokens end after the accepted drafts (so a block holding a rejected token
+        is never hashed: `cache_full_blocks` hashes computed tokens only, and the slot is
+        overwritten by the next step), and blocks past them go back to the pool."""
+        d = len(chunk.draft_token_ids)
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += d
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        self.proposer.record(req.request_id, d, num_accepted)
+        if req.status != RequestStatus.RUNNING or d == num_accepted:
+            return
+        req.num_computed_tokens -= d - num_accepted
+        if self.kv.trim(req, req.num_computed_tokens):
+            # The worker's copy of the table is longer: send a whole one next time.
+            self._blocks_sent.pop(req.request_id, None)
 
     def _remove(self, req: Request) -> None:
         if req.status == RequestStatus.RUNNING:
@@ -326,6 +383,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         self.kv.free(req)
         self._blocks_sent.pop(req.request_id, None)
         if req.request_id in self._sent_to_worker:

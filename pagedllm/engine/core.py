@@ -15,6 +15,7 @@ from concurrent.futures import wait as wait_futures
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -70,8 +71,18 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        spec = config.speculative_config
+        proposer = None
+        if spec is not None:
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                     spec.prompt_lookup_max, spec.max_batch_size,
+                                     spec.min_acceptance_rate)
+            logger.info("speculative decoding: n-gram, %d tokens, lookup %d..%d, off above %d "
+                        "decoding sequences", spec.num_speculative_tokens, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max, spec.max_batch_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_model_len, config.max_prefill_tokens_with_decodes)
+                                   config.max_model_len, config.max_prefill_tokens_with_decodes,
+                                   proposer)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; %s", num_blocks,
                     config.block_size, num_blocks * config.block_size,
                     full_length_sequences(num_blocks * config.block_size, config.max_model_len))
@@ -124,7 +135,8 @@ class EngineCore:
         s, kv = self.scheduler, self.kv
         return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.num_blocks,
                               kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits,
-                              s.num_preemptions_total)
+                              s.num_preemptions_total, s.spec_num_drafts, s.spec_num_draft_tokens,
+                              s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
 
     # ------------------------------------------------------------------ requests
     def use_tokenizer(self, tokenizer) -> None:
@@ -182,6 +194,10 @@ class EngineCore:
             stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens, skip_prefix_cache=p.prompt_logprobs is not None,
             sampling_params=p, arrival_time=request.arrival_time,
+            # Verification samples every draft position from the same processed logits:
+            # settings that change with each earlier token are not modelled there.
+            allow_spec=not (p.needs_penalties or p.min_tokens or compiled is not None
+                            or p.structured_outputs is not None),
         ))
         if p.needs_penalties:
             self._penalized.add(request.request_id)
@@ -332,8 +348,10 @@ class EngineCore:
             o = outs.get(sid)
             if o is None:
                 o = outs[sid] = EngineCoreOutput(sid)
-            o.new_token_ids.append(token)
             lp = out.logprobs.get(sid)
+            if isinstance(lp, list):  # one entry per token of a verified chunk
+                lp = lp[len(o.new_token_ids)] if len(o.new_token_ids) < len(lp) else None
+            o.new_token_ids.append(token)
             if lp is not None:
                 if o.new_logprobs is None:
                     o.new_logprobs = []

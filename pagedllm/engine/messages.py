@@ -52,6 +52,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    # Speculative decoding, cumulative: verified chunks, draft tokens proposed in them,
+    # drafts accepted, and accepted drafts by position (index 0: the first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -51,8 +51,10 @@ class _ReqState:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, tuple[list[int], list[float], list[int]]] = field(default_factory=dict)
+    # A list for a request whose chunk verified drafts: its accepted drafts and the token
+    # after them; its logprobs then hold one entry per token, also as a list.
+    sampled: dict[str, int | list[int]] = field(default_factory=dict)
+    logprobs: dict[str, tuple[list[int], list[float], list[int]] | list] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
 
@@ -68,8 +70,9 @@ class LaunchedStep:
 
     def __init__(self, runner: ModelRunner, out: RunnerOutput, sample_ids: list[str],
                  sampled: SampledTensors | None, valid: torch.Tensor | None,
-                 pending: tuple | None = None):
+                 pending: tuple | None = None, spec_counts: list[int] | None = None):
         self.runner, self.out, self.sample_ids = runner, out, sample_ids
+        self.spec_counts = spec_counts  # rows per request of a step that verified drafts
         self.sampled, self.valid = sampled, valid
         self.pending = pending  # (logits, batch, states): sampling still to launch
         self.event = None
@@ -102,6 +105,8 @@ class LaunchedStep:
             return out
         if self.event is not None:
             self.event.synchronize()
+        if self.spec_counts is not None:
+            return self._spec_result()
         tokens = broadcast_from_first(self.sampled.token_ids.tolist(), runner.device)  # TP ranks keep one history
         sampled = self.sampled.to_output(tokens)
         valid = self.valid.tolist()
@@ -117,6 +122,41 @@ class LaunchedStep:
             out.sampled[rid] = tokens[i]
             if sampled.logprobs[i] is not None:
                 out.logprobs[rid] = sampled.logprobs[i]
+        return out
+
+
+    def _spec_result(self) -> RunnerOutput:
+        """A verified step: each request gets its accepted drafts and the token after them
+        (a list in `sampled`, with one logprobs entry per token)."""
+        out, runner = self.out, self.runner
+        n = len(self.sampled.token_ids)
+        flat = broadcast_from_first(self.sampled.token_ids.tolist() + self.sampled.accepted.tolist(),
+                                    runner.device)  # TP ranks keep one history
+        tokens, accepted = flat[:n], flat[n:]
+        sampled = self.sampled.to_output(tokens)
+        valid = self.valid.tolist()
+        row = 0
+        for rid, count in zip(self.sample_ids, self.spec_counts, strict=True):
+            rows = range(row, row + count)
+            row += count
+            st = runner.states.get(rid)
+            if st is None:
+                continue
+            st.num_pending -= 1
+            if not all(valid[r] for r in rows):
+                out.failed[rid] = "the model produced non-finite logits (NaN or inf)"
+                continue
+            emitted = []
+            for r in rows:
+                emitted.append(r)
+                if not accepted[r]:
+                    break
+            toks = [tokens[r] for r in emitted]
+            st.token_ids.extend(toks)
+            out.sampled[rid] = toks if count > 1 else toks[0]
+            if sampled.logprobs[rows[0]] is not None:
+                lps = [sampled.logprobs[r] for r in emitted]
+                out.logprobs[rid] = lps if count > 1 else lps[0]
         return out
 
 
@@ -270,8 +310,9 @@ class ModelRunner:
                     fill_rows.append(len(ids))
                     fill_src.append(self._prev_rows[c.request_id])
                     ids.append(0)
-            else:
-                ids.extend(toks[c.start : c.start + c.num_tokens])
+            else:  # drafts follow the known tokens (speculative decoding)
+                ids.extend(toks[c.start : c.start + c.num_tokens - len(c.draft_token_ids)])
+                ids.extend(c.draft_token_ids)
         total = int(lens.sum())
         seq_of_row = np.repeat(np.arange(n), lens)
         positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - starts, lens)
@@ -355,11 +396,18 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         plp_rows: dict[str, tuple[list[int], list[int]]] = {}
+        drafts: list[int] = []  # per sampled row: the token proposed after it, -1 for none
         for c, start, end in zip(chunks, arrays["q_start"].tolist(), row_ends.tolist(), strict=True):
             self._owe_prompt_logprobs(c, start, plp_rows)
             if c.sample:  # a chunk short of the end of the prompt samples nothing
-                sample_rows.append(end - 1)
+                d = len(c.draft_token_ids)  # speculative: the logits of every draft position
+                sample_rows.extend(range(end - 1 - d, end))
                 sample_ids.append(c.request_id)
+                drafts.extend(c.draft_token_ids)
+                drafts.append(-1)
+        spec_counts = None
+        if len(sample_rows) > len(sample_ids):
+            spec_counts = [len(c.draft_token_ids) + 1 for c in chunks if c.sample]
 
         graph_logits = None
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows:
@@ -385,6 +433,9 @@ class ModelRunner:
         # with none finite cannot be sampled from. Read with the tokens, not here.
         valid = torch.isfinite(logits.amax(-1))
         states = [self.states[r] for r in sample_ids]
+        if spec_counts is not None:
+            return self._verify(out, logits, valid, states, sample_ids, spec_counts, drafts,
+                                so.grammar_bitmask)
         batch = self._sampling_batch(states, logits.shape[-1])
         if defer_sampling:
             return LaunchedStep(self, out, sample_ids, None, valid, (logits, batch, states))
@@ -404,6 +455,23 @@ class ModelRunner:
         self._prev_tokens = sampled.token_ids
         self._prev_rows = {rid: i for i, rid in enumerate(sample_ids)}
         return sampled
+
+    def _verify(self, out: RunnerOutput, logits: torch.Tensor, valid: torch.Tensor,
+                states: list[_ReqState], sample_ids: list[str], counts: list[int],
+                drafts: list[int], step_mask) -> LaunchedStep:
+        """Sample a step that checks speculative drafts: one logits row per position, each
+        row under its request's settings (its seeded generator draws them in order)."""
+        row_states = [st for st, n in zip(states, counts, strict=True) for _ in range(n)]
+        row_ids = [rid for rid, n in zip(sample_ids, counts, strict=True) for _ in range(n)]
+        batch = self._sampling_batch(row_states, logits.shape[-1])
+        if step_mask is not None:  # constrained requests never have drafts: one row each
+            self._grammar_rows(batch, step_mask, row_ids)
+        (draft,) = self._to_device(np.asarray(drafts, dtype=np.int64))
+        sampled = self.sampler.verify(logits, batch, draft, valid)
+        for st in states:
+            st.num_pending += 1
+        self._prev_tokens, self._prev_rows = None, {}  # async scheduling is off with drafts
+        return LaunchedStep(self, out, sample_ids, sampled, valid, spec_counts=counts)
 
     def _owe_prompt_logprobs(self, c, row: int, plp_rows: dict) -> None:
         """Rows of this chunk whose logits give prompt logprobs not yet reported

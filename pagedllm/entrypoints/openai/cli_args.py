@@ -219,6 +219,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    help="a request's logits, logprobs and tokens are the same bits alone or in "
                    "any batch, chunked or prefix-cached, at a cost in speed (default: "
                    "$PAGEDLLM_BATCH_INVARIANT, else off)")
+    e.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as JSON: {"method": "ngram", '
+                   '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
+                   "(turns async scheduling off; default: off)")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
@@ -317,7 +321,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",
-             "generation_config"]
+             "generation_config", "speculative_config"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
 

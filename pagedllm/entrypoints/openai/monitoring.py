@@ -77,7 +77,8 @@ class StatsLogger:
         labels = {"model_name": metrics.model_name}
         return tuple(metrics.registry.get_sample_value(f"pagedllm:{name}_total", labels) or 0.0
                      for name in ("prompt_tokens", "generation_tokens", "prefix_cache_queries",
-                                  "prefix_cache_hits"))
+                                  "prefix_cache_hits", "spec_decode_num_drafts",
+                                  "spec_decode_num_accepted_tokens"))
 
     def tick(self) -> str | None:
         """The line for the interval just ended, or None if the engine was idle (or this is
@@ -87,7 +88,8 @@ class StatsLogger:
             self._last, self._last_time = totals, now
             return None
         elapsed = max(now - self._last_time, 1e-9)
-        prompt, generated, queries, hits = (a - b for a, b in zip(totals, self._last, strict=True))
+        prompt, generated, queries, hits, drafts, accepted = (
+            a - b for a, b in zip(totals, self._last, strict=True))
         self._last, self._last_time = totals, now
         s = self.engine.stats()
         if not (prompt or generated or s.num_running or s.num_waiting):
@@ -99,7 +101,9 @@ class StatsLogger:
                 f"Avg generation throughput: {generated / elapsed:.1f} tokens/s, "
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
                 f"KV cache usage: {100.0 * s.kv_usage:.1f}%, "
-                f"Prefix cache hit rate: {hit_rate:.1f}%")
+                f"Prefix cache hit rate: {hit_rate:.1f}%"
+                # speculative decoding: tokens a verified step gave a sequence, on average
+                + (f", Mean acceptance length: {1 + accepted / drafts:.2f}" if drafts else ""))
 
     async def run(self) -> None:
         self.tick()  # the starting totals

@@ -62,13 +62,15 @@ class SampledTensors:
     ranks: torch.Tensor | None = None  # [N]
     top_v: torch.Tensor | None = None  # [N, k]
     top_i: torch.Tensor | None = None  # [N, k]
+    accepted: torch.Tensor | None = None  # [N] bool, speculative verification only
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SampledTensors:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
         return SampledTensors(move(self.token_ids), self.num_logprobs, move(self.sel),
-                              move(self.ranks), move(self.top_v), move(self.top_i))
+                              move(self.ranks), move(self.top_v), move(self.top_i),
+                              move(self.accepted))
 
     def to_output(self, token_ids: list[int] | None = None) -> SamplerOutput:
         """Python lists (after the device-to-host copy has completed)."""
@@ -144,10 +146,59 @@ class Sampler:
                valid: torch.Tensor | None = None) -> SampledTensors:
         """Sample on the device without synchronising. Rows where `valid` is False (their
         logits were not finite) get token 0, so that no garbage id reaches an embedding."""
+        raw_logprobs, logits = self._process(logits, b)
+
+        if b.all_greedy:
+            sampled = logits.argmax(-1)
+        else:
+            greedy = b.temperature == 0
+            probs = self._probs(logits, b)
+            u = _uniforms(len(probs), b.generators, self.generator, probs.device)
+            sampled = torch.where(greedy, logits.argmax(-1), _draw(probs, u))
+        return self._output(sampled, valid, raw_logprobs, b)
+
+    def verify(self, logits: torch.Tensor, b: SamplingBatch, draft: torch.Tensor,
+               valid: torch.Tensor | None = None) -> SampledTensors:
+        """Speculative decoding's check of proposed tokens, one row per position.
+
+        `draft[r]` is the token proposed for the position after row r (-1: none, the
+        last row of a request). Each row yields the token the request gets there if it is
+        reached (all drafts before it accepted): the draft itself when accepted, else a
+        token drawn from the target distribution p with the draft removed. A draft is
+        accepted with probability p(draft) (greedy rows: when it is the argmax). For a
+        deterministic draft that is exact rejection sampling: P(token t) = p(t)
+        [accepted] + (1 - p(x)) p(t) / (1 - p(x)) for t != x [rejected, renormalised], so
+        the output follows the target distribution. The row without a draft (the bonus
+        after every accepted one) draws from p itself. `accepted` marks the rows whose
+        draft was taken; the caller keeps a request's tokens up to its first False."""
+        raw_logprobs, logits = self._process(logits, b)
+        has = draft >= 0
+        x = draft.clamp(min=0)[:, None]
+        best = logits.argmax(-1)
+        if b.all_greedy:
+            accepted = has & (best == x[:, 0])
+            final = best
+        else:
+            greedy = b.temperature == 0
+            probs = self._probs(logits, b)
+            n, dev = len(probs), probs.device
+            u_accept = _uniforms(n, b.generators, self.generator, dev)
+            u_draw = _uniforms(n, b.generators, self.generator, dev)
+            p_x = probs.gather(-1, x)[:, 0]
+            residual = probs.scatter(-1, x, torch.where(has, 0.0, p_x)[:, None])
+            accepted = has & torch.where(greedy, best == x[:, 0], u_accept < p_x)
+            final = torch.where(greedy, best, _draw(residual, u_draw))
+        sampled = torch.where(accepted, x[:, 0], final)
+        out = self._output(sampled, valid, raw_logprobs, b)
+        out.accepted = accepted
+        return out
+
+    def _process(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The raw logprobs (when any row reports logprobs) and the logits after the
+        grammar mask, biases and penalties, before temperature."""
         given, logits = logits, logits.float()
         want_lp = any(k is not None for k in b.num_logprobs)
         raw_logprobs = logits.log_softmax(-1) if want_lp else None
-
         if b.grammar_bitmask is not None:
             from pagedllm.structured_output.bitmask import apply_bitmask
 
@@ -156,26 +207,22 @@ class Sampler:
             logits = masked
         if b.bias_rows is not None:
             logits = logits.index_put((b.bias_rows, b.bias_tokens), b.bias_values, accumulate=True)
-        logits = apply_penalties(logits, b)
+        return raw_logprobs, apply_penalties(logits, b)
 
-        if b.all_greedy:
-            sampled = logits.argmax(-1)
-        else:
-            greedy = b.temperature == 0
-            temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)
-            scaled = apply_top_k_top_p_min_p(logits / temp[:, None], b)
-            # Inverse-CDF draw: one uniform per row (a full-vocabulary noise tensor per
-            # step costs more than the softmax itself on CPU).
-            cdf = scaled.softmax(-1).cumsum_(-1)
-            u = _uniforms(len(cdf), b.generators, self.generator, cdf.device) * cdf[:, -1]
-            # right=True: token i wins for cdf[i-1] <= u < cdf[i], never a zero-probability one.
-            drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
-            sampled = torch.where(greedy, logits.argmax(-1), drawn)
+    @staticmethod
+    def _probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """The distribution a sampled row draws from: temperature, then top-k/top-p/min-p."""
+        greedy = b.temperature == 0
+        temp = torch.where(greedy, torch.ones_like(b.temperature), b.temperature)
+        return apply_top_k_top_p_min_p(logits / temp[:, None], b).softmax(-1)
+
+    @staticmethod
+    def _output(sampled: torch.Tensor, valid: torch.Tensor | None, raw_logprobs: torch.Tensor | None,
+                b: SamplingBatch) -> SampledTensors:
         if valid is not None:
             sampled = torch.where(valid, sampled, torch.zeros_like(sampled))
-
         out = SampledTensors(sampled, b.num_logprobs)
-        if want_lp:
+        if raw_logprobs is not None:
             k = max(n or 0 for n in b.num_logprobs)
             sel = raw_logprobs.gather(-1, sampled[:, None])
             out.sel = sel.squeeze(-1)
@@ -183,6 +230,15 @@ class Sampler:
             if k:
                 out.top_v, out.top_i = raw_logprobs.topk(k, dim=-1)
         return out
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw, one uniform per row (a full-vocabulary noise tensor per step costs
+    more than the softmax itself on CPU). The weights need not sum to one."""
+    cdf = probs.cumsum(-1)
+    u = u * cdf[:, -1]
+    # right=True: token i wins for cdf[i-1] <= u < cdf[i], never a zero-probability one.
+    return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
