@@ -158,6 +158,39 @@ cap() {
 }
 
 case "${1:-throughput}" in
+fp8)
+    # FP8 weights and KV on gpu-7b: the GPU tests of FP8, the per-shape GEMM table, then
+    # bf16 / FP8 weights / FP8 weights + KV, one after the other on the same card.
+    timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kv.py \
+        tests/test_triton_attention.py 2>&1 | tail -6
+    timeout "$(cap 120)" python3 benchmarks/fp8_gemm_bench.py --rows 1 64 256 2048 \
+        --json "$OUT/fp8-gemm.json" 2>&1 | tail -30
+    for q in bf16 fp8 fp8-kv8; do
+        flags=()
+        [[ $q != bf16 ]] && flags+=(--quantization fp8)
+        [[ $q == fp8-kv8 ]] && flags+=(--kv-cache-dtype fp8)
+        timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
+            "${flags[@]}" --output-json "$OUT/gpu-7b-$q.json" 2>&1 | tail -3
+    done
+    summary "$OUT"/gpu-7b-*.json
+    ;;
+fp8-kv)
+    # The KV-bound workload: 512 x (2,048 in, 512 out) on the 7B shape, bf16 vs FP8 pages.
+    for kv in auto fp8; do
+        timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b-kv \
+            --kv-cache-dtype "$kv" --warmup 2 --output-json "$OUT/gpu-7b-kv-$kv.json" 2>&1 | grep -i "kv pool\|blocks\|tok/s" | tail -4
+    done
+    summary "$OUT"/gpu-7b-kv-*.json
+    ;;
+trt)
+    # TensorRT-LLM's two published Llama-3.1-8B FP8 rows (NUM_PROMPTS overrides 3,000).
+    for w in trt-8b-1k trt-8b-2k; do
+        timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench throughput --workload "$w" \
+            ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 \
+            --output-json "$OUT/$w.json" 2>&1 | tail -3
+    done
+    summary "$OUT"/trt-8b-*.json
+    ;;
 tests)
     timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
     ;;

@@ -452,3 +452,21 @@ def test_fp8_checkpoint_generates_on_cuda(float_model, tmp_path):
     out = llm.generate([{"prompt_token_ids": p} for p in prompts(3, seed=7)],
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+@pytest.mark.gpu
+def test_triton_token_quantization_equals_torch():
+    """The one-pass Triton quantization does the torch form's arithmetic: equal scales and
+    equal e4m3 values (both divide in float32 and round to nearest)."""
+    from pagedllm.model_executor.layers.quantization.fp8_quant_kernel import quantize_tokens_triton
+
+    torch.manual_seed(0)
+    for m, k in [(1, 4096), (7, 11008), (300, 14336), (5, 100)]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+        x[0, :7] = 0  # a partly zero row
+        q, s = quantize_tokens_triton(x)
+        qt, st = fp8_method.quantize_tokens_torch(x)
+        torch.testing.assert_close(s, st, rtol=0, atol=0)
+        assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
+    q, s = quantize_tokens_triton(torch.zeros(2, 64, device="cuda"))
+    assert torch.isfinite(s).all() and not q.float().any()

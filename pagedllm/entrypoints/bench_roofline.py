@@ -199,16 +199,23 @@ def active_params(shape: dict[str, int]) -> int:
 
 
 def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: list[int],
-             max_num_seqs: int, bandwidth_tbps: float, matmul_tflops: float) -> dict:
-    """Seconds and output tokens/s at the ceilings, split into its three terms."""
+             max_num_seqs: int, bandwidth_tbps: float, matmul_tflops: float,
+             weight_bytes: int | None = None, kv_bytes: int | None = None) -> dict:
+    """Seconds and output tokens/s at the ceilings, split into its three terms.
+
+    `weight_bytes` (FP8: 1) sizes the layers' projections, whose prefill FLOPs then run at
+    twice `matmul_tflops` (FP8 tensor cores); the LM head stays in `dtype_bytes`, as the
+    engine keeps it. `kv_bytes` (FP8 KV: 1) sizes the K/V pages."""
     s = model_shape(hf_config)
     concurrent = max(1, min(len(output_lens), max_num_seqs))
     params = matmul_params(s, concurrent)
-    kv_bytes_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * dtype_bytes
+    head = s["vocab"] * s["hidden"]
+    wb = dtype_bytes if weight_bytes is None else weight_bytes
+    kv_bytes_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * (kv_bytes or dtype_bytes)
     total_out = sum(output_lens)
     steps = max(max(output_lens), -(-total_out // concurrent))
     bw = bandwidth_tbps * 1e12
-    weights_s = steps * params * dtype_bytes / bw
+    weights_s = steps * ((params - head) * wb + head * dtype_bytes) / bw
     # Step t of a request reads its prompt plus the t tokens generated before it.
     kv_tokens = sum(o * i + o * (o - 1) // 2 for i, o in zip(input_lens, output_lens, strict=True))
     kv_s = kv_tokens * kv_bytes_per_token / bw
@@ -216,7 +223,9 @@ def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: li
     # attention (QK^T and PV, 2 FLOPs each per head dim per earlier position).
     layer_params = active_params(s)
     attn_per_pos = 4 * s["layers"] * s["heads"] * s["head_dim"]
-    prefill_flops = sum(2 * layer_params * n + attn_per_pos * n * (n - 1) // 2 for n in input_lens)
+    linear_speedup = dtype_bytes / wb  # FP8 products run at twice the bf16 rate
+    prefill_flops = sum(2 * layer_params * n / linear_speedup + attn_per_pos * n * (n - 1) // 2
+                        for n in input_lens)
     prefill_flops += 2 * s["vocab"] * s["hidden"] * len(input_lens)
     prefill_s = prefill_flops / (matmul_tflops * 1e12)
     total_s = weights_s + kv_s + prefill_s

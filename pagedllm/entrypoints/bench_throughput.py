@@ -89,6 +89,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: decode steps run eagerly instead of replaying CUDA graphs")
     e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="the engine's batch-invariant mode (what determinism costs)")
+    e.add_argument("--quantization", "-q", choices=["fp8"],
+                   help="quantize the weights at load (default: the workload's, else none)")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV page dtype (default: the workload's, else the model's dtype)")
     e.add_argument("--disable-detokenize", action="store_true",
                    help="skip incremental detokenization (always skipped without a tokenizer)")
 
@@ -121,6 +125,8 @@ class ThroughputConfig:
     input_range: tuple[int, int]
     output_range: tuple[int, int]
     hf_batch_size: int
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 def _given(value: T | None, fallback: T) -> T:
@@ -150,6 +156,8 @@ def resolve_config(args: argparse.Namespace) -> ThroughputConfig:
         output_range=(length_range(args.output_len, ratio) if args.output_len is not None
                       else base.output_range),
         hf_batch_size=_given(args.hf_batch_size, hf_batch),
+        quantization=_given(getattr(args, "quantization", None), base.quantization),
+        kv_cache_dtype=_given(getattr(args, "kv_cache_dtype", None), base.kv_cache_dtype),
     )
 
 
@@ -216,6 +224,10 @@ class EngineBackend:
             "tensor_parallel_size": args.tensor_parallel_size,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }
+        if cfg.quantization is not None:
+            kwargs["quantization"] = cfg.quantization
+        if cfg.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = cfg.kv_cache_dtype
         if args.block_size is not None:  # otherwise the engine's default
             kwargs["block_size"] = args.block_size
         if args.kv_cache_memory is not None:
@@ -371,6 +383,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
             "input_len_range": list(cfg.input_range), "output_len_range": list(cfg.output_range),
             "prompt_tokens": data.num_prompt_tokens, "output_tokens": data.num_output_tokens,
             "seed": args.seed, "temperature": args.temperature,
+            "quantization": cfg.quantization, "kv_cache_dtype": cfg.kv_cache_dtype,
         },
         "engine": engine_info,
         "results": results,
@@ -389,7 +402,9 @@ def run_throughput(args: argparse.Namespace) -> dict:
         roof = {"device_name": ceil["device_name"], "concurrency": concurrency,
                 **roofline(hf_config, torch.finfo(dtype).bits // 8,
                            [len(p) for p in data.prompts], data.output_lens, concurrency,
-                           ceil["bandwidth_TBps"], ceil["matmul_TFLOPs"])}
+                           ceil["bandwidth_TBps"], ceil["matmul_TFLOPs"],
+                           weight_bytes=1 if cfg.quantization == "fp8" else None,
+                           kv_bytes=1 if cfg.kv_cache_dtype.startswith("fp8") else None)}
         if "pagedllm" in results:
             roof["achieved_fraction"] = round(
                 results["pagedllm"]["output_tokens_per_s"] / roof["output_tokens_per_s"], 4)

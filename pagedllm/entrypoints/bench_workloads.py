@@ -85,6 +85,30 @@ QWEN3_30B_A3B_CONFIG: dict = {
 }
 
 
+# Llama-3.1-8B: the shape of TensorRT-LLM's published FP8 throughput figures.
+LLAMA31_8B_CONFIG: dict = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128009,
+    "torch_dtype": "bfloat16",
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     """One named row of the benchmark table: what to load and which requests to send."""
@@ -98,6 +122,8 @@ class Workload:
     output_range: tuple[int, int]  # inclusive
     hf_batch_size: int  # the HF baseline's batch size for this workload
     hf_static_batch_size: int  # same, with --hf-static-cache
+    quantization: str | None = None  # e.g. "fp8": the engine quantizes the weights at load
+    kv_cache_dtype: str = "auto"
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -107,6 +133,17 @@ WORKLOADS: dict[str, Workload] = {
                          (100, 1024), (100, 1024), 256, 256),
     "gpu-moe": Workload("gpu-moe", QWEN3_30B_A3B_CONFIG, "dummy", "bfloat16", 256,
                         (256, 256), (256, 256), 64, 64),
+    # KV-bound: 512 long requests on the 7B shape (MHA, 512 KiB of bf16 K/V per token), the
+    # page pool, not the batch cap, limits concurrency: what an FP8 KV cache is for.
+    "gpu-7b-kv": Workload("gpu-7b-kv", LLAMA2_7B_CONFIG, "dummy", "bfloat16", 512,
+                          (2048, 2048), (512, 512), 16, 16),
+    # TensorRT-LLM's published `trtllm-bench throughput` rows for Llama-3.1-8B FP8 (FP8
+    # weights and KV, fixed lengths, every request at once): 1,000 in / 1,000 out and
+    # 128 in / 2,048 out, 3,000 requests each.
+    "trt-8b-1k": Workload("trt-8b-1k", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 3000,
+                          (1000, 1000), (1000, 1000), 64, 64, "fp8", "fp8"),
+    "trt-8b-2k": Workload("trt-8b-2k", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 3000,
+                          (128, 128), (2048, 2048), 64, 64, "fp8", "fp8"),
     "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
                          (32, 256), (128, 128), 16, 16),
 }

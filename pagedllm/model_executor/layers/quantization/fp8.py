@@ -83,6 +83,14 @@ STATIC_ACTIVATION_SCALES = ("input_scale", "activation_scale", "input_scale_ub")
 ZERO_POINTS = ("weight_zero_point", "input_zero_point")
 
 
+try:  # CUDA only; Triton-less installs keep the torch form
+    from pagedllm.model_executor.layers.quantization.fp8_quant_kernel import (
+        quantize_tokens_triton as _triton_quant,
+    )
+except ImportError:  # pragma: no cover
+    _triton_quant = None
+
+
 # ---------------------------------------------------------------------------- arithmetic
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output row e4m3: (fp8 weight, float32 scale [rows, 1]), scale = row amax / 448,
@@ -102,7 +110,14 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, k_block: int, dtype: t
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token e4m3 activations: (fp8 [M, K], float32 scale [M, 1])."""
+    """Dynamic per-token e4m3 activations: (fp8 [M, K], float32 scale [M, 1]). On CUDA one
+    Triton pass (fp8_quant_kernel) does the same arithmetic."""
+    if x.is_cuda and _triton_quant is not None:
+        return _triton_quant(x)
+    return quantize_tokens_torch(x)
+
+
+def quantize_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
