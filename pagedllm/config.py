@@ -134,9 +134,15 @@ class SpeculativeConfig:
     them all in one forward pass. Proposals stop for a request whose recent acceptance
     (an EWMA of the accepted fraction) falls below `min_acceptance_rate`, and for the whole
     batch while more than `max_batch_size` sequences decode: there a step is bound by the
-    weights no more, and unaccepted drafts would cost throughput."""
+    weights no more, and unaccepted drafts would cost throughput.
 
-    method: str = "ngram"
+    Draft model (`{"model": <checkpoint>, "num_speculative_tokens": k}`, method
+    "draft_model"): a smaller checkpoint with the target's vocabulary proposes k tokens by
+    greedy decoding, each step, from its own KV pages (worker/draft_runner.py); the same
+    gates apply."""
+
+    method: str | None = None  # None: "draft_model" when `model` is given, else "ngram"
+    model: str | None = None  # the draft checkpoint (method "draft_model")
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -164,10 +170,16 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if self.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not built yet; use 'ngram'")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model must name the draft checkpoint for method "
+                             f"'draft_model', got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is for method 'draft_model'; method 'ngram' "
+                             "takes no model")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_size"):
             v = getattr(self, name)
             if v is None and name == "max_batch_size":
@@ -306,6 +318,10 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_bytes(self.kv_cache_memory_bytes)
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
+                and self.tensor_parallel_size > 1):
+            raise ValueError("speculative_config: method 'draft_model' runs on one device; "
+                             "tensor_parallel_size > 1 takes method 'ngram'")
 
     def resolve(self, hf_config, cuda_available: bool) -> EngineConfig:
         """A copy with every default filled once, from the model's config and the device:

@@ -37,9 +37,19 @@ def test_a_wrong_configuration_names_its_field(bad, field):
         SpeculativeConfig.from_value({"method": "ngram", **bad})
 
 
-def test_draft_model_is_refused_as_not_built_yet():
-    with pytest.raises(ValueError, match="not built yet"):
-        SpeculativeConfig.from_value({"method": "draft_model", "num_speculative_tokens": 2})
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "ngram", "model": "x"}, "speculative_config.model"),
+    ({"model": ""}, "speculative_config.model"),
+])
+def test_a_draft_model_configuration_names_its_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.from_value(bad)
+
+
+def test_a_model_means_method_draft_model():
+    assert SpeculativeConfig.from_value({"model": "some/draft"}).method == "draft_model"
+    assert SpeculativeConfig.from_value({}).method == "ngram"
 
 
 def test_config_from_dict_json_and_flag_turns_async_off(tiny_models):

@@ -67,16 +67,22 @@ class NgramProposer:
 
     def propose(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to min(k, num_speculative_tokens) draft tokens for one request."""
+        k = self.room(request_id, k)
+        return find_ngram_draft(tokens, self.min_n, self.max_n, k) if k else []
+
+    def room(self, request_id: str, k: int) -> int:
+        """Drafts this request may get now: 0 while its acceptance rate is low (but for a
+        probe every PROBE_EVERY steps), else min(k, num_speculative_tokens)."""
         k = min(k, self.k)
         if k < 1:
-            return []
+            return 0
         if self._rate.get(request_id, 1.0) < self.min_acceptance_rate:
             idle = self._idle.get(request_id, 0) + 1
             if idle < PROBE_EVERY:
                 self._idle[request_id] = idle
-                return []
+                return 0
             self._idle[request_id] = 0
-        return find_ngram_draft(tokens, self.min_n, self.max_n, k)
+        return k
 
     def record(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft:

@@ -15,6 +15,7 @@ from concurrent.futures import wait as wait_futures
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.draft_proposer import DraftModelProposer
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -73,7 +74,12 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         spec = config.speculative_config
         proposer = None
-        if spec is not None:
+        if spec is not None and spec.method == "draft_model":
+            proposer = DraftModelProposer(spec.num_speculative_tokens, spec.max_batch_size,
+                                          spec.min_acceptance_rate)
+            logger.info("speculative decoding: draft model, %d tokens, off above %d decoding "
+                        "sequences", spec.num_speculative_tokens, spec.max_batch_size)
+        elif spec is not None:
             proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                      spec.prompt_lookup_max, spec.max_batch_size,
                                      spec.min_acceptance_rate)

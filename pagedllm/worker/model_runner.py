@@ -39,6 +39,19 @@ from pagedllm.worker.block_table import BlockTables
 logger = logging.getLogger(__name__)
 
 
+def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zeroed KV tensor. Zeros matter: attention masks unused slots, but 0 * NaN from
+    stale memory would still poison a row. On CPU the memory is an anonymous mapping
+    (returned: it must outlive the tensor), which the kernel zero-fills page by page on
+    first touch, so a large pool costs nothing at start-up (an eager torch.zeros of 2 GiB
+    spends seconds in page faults)."""
+    if device.type == "cpu":
+        buf = mmap.mmap(-1, math.prod(shape) * (torch.finfo(dtype).bits // 8))
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape), buf
+    return torch.zeros(shape, dtype=dtype, device=device), None
+
+
 @dataclass
 class _ReqState:
     token_ids: list[int]
@@ -47,6 +60,7 @@ class _ReqState:
     generator: torch.Generator | None
     prompt_lp_next: int = 1  # next prompt position whose logprob is still owed
     num_pending: int = 0  # sampled by launched steps whose results are not read yet
+    draft_computed: int = 0  # positions the draft model has KV for (draft_model speculation)
 
 
 @dataclass
@@ -57,6 +71,14 @@ class RunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], list[int]] | list] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
+
+
+def _replay_draws(gen: torch.Generator, state: torch.Tensor, n: int) -> None:
+    """Put a generator where `n` single draws (as the sampler makes them) from `state`
+    leave it: a seeded request's t-th token uses its t-th draw however steps group them."""
+    gen.set_state(state)
+    for _ in range(n):
+        torch.rand(1, generator=gen, device=gen.device)
 
 
 class LaunchedStep:
@@ -73,6 +95,7 @@ class LaunchedStep:
                  pending: tuple | None = None, spec_counts: list[int] | None = None):
         self.runner, self.out, self.sample_ids = runner, out, sample_ids
         self.spec_counts = spec_counts  # rows per request of a step that verified drafts
+        self.generator_states: dict[str, torch.Tensor] = {}  # seeded generators before a verify
         self.sampled, self.valid = sampled, valid
         self.pending = pending  # (logits, batch, states): sampling still to launch
         self.event = None
@@ -152,6 +175,9 @@ class LaunchedStep:
                 if not accepted[r]:
                     break
             toks = [tokens[r] for r in emitted]
+            saved = self.generator_states.get(rid)
+            if saved is not None and len(emitted) < count:
+                _replay_draws(st.generator, saved, len(emitted))
             st.token_ids.extend(toks)
             out.sampled[rid] = toks if count > 1 else toks[0]
             if sampled.logprobs[rows[0]] is not None:
@@ -189,16 +215,24 @@ class ModelRunner:
         # Tokens sampled by the latest launched step, on the device, and each request's row.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        spec = config.speculative_config
+        self.drafter = None  # DraftRunner: a draft model proposes the drafts on the worker
+        if spec is not None and spec.method == "draft_model":
+            from pagedllm.worker.draft_runner import DraftRunner
+
+            self.drafter = DraftRunner(self, spec)
 
     # ------------------------------------------------------------------ memory
     @property
     def bytes_per_block(self) -> int:
         elem = torch.finfo(self.kv_dtype).bits // 8
-        return self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
+        own = self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
+        return own + (self.drafter.bytes_per_block if self.drafter is not None else 0)
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        models = [self.model] + ([self.drafter.model] if self.drafter is not None else [])
+        return sum(p.numel() * p.element_size() for m in models for p in m.parameters())
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         if self.config.num_kv_blocks is not None:
@@ -249,20 +283,13 @@ class ModelRunner:
                                        min(max_num_seqs, 256), max_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor.
-
-        Zeros matter: attention masks unused slots, but 0 * NaN from stale memory would
-        still poison a row. On CPU the memory is an anonymous mapping, which the kernel
-        zero-fills page by page on first touch, so a large pool costs nothing at start-up
-        (an eager torch.zeros of 2 GiB spends seconds in page faults)."""
+        """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor (and the
+        draft model's, of as many blocks: it writes the same slots)."""
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":
-            nbytes = math.prod(shape) * (torch.finfo(self.kv_dtype).bits // 8)
-            self._kv_mmap = mmap.mmap(-1, nbytes)
-            cache = torch.frombuffer(self._kv_mmap, dtype=torch.uint8).view(self.kv_dtype).view(shape)
-        else:
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        cache, self._kv_mmap = zeroed_kv_tensor(shape, self.kv_dtype, self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -331,13 +358,15 @@ class ModelRunner:
         (idx,) = self._to_device(fill)
         ids.index_copy_(0, idx[0], self._prev_tokens.index_select(0, idx[1]).to(ids.dtype))
 
-    def _metadata(self, arrays: dict[str, np.ndarray], num_decode: int) -> tuple:
-        """Move one step's arrays to the device in a single copy and build the metadata."""
+    def _metadata(self, arrays: dict[str, np.ndarray], num_decode: int, shape=None) -> tuple:
+        """Move one step's arrays to the device in a single copy and build the metadata
+        (for `shape`'s attention: the draft model's may group its heads otherwise)."""
+        shape = shape or self.model.shape
         tile_q = getattr(self.backend, "tile_q", None)
         tiles = np.zeros((2, 0), dtype=np.int64)
         tq = num_tiles = 0
         if tile_q is not None:
-            tq = tile_q(self.model.shape.num_heads // self.model.shape.num_kv_heads)
+            tq = tile_q(shape.num_heads // shape.num_kv_heads)
             lens = arrays["q_len"][num_decode:]
             counts = -(-lens // tq)
             seqs = np.repeat(np.arange(num_decode, num_decode + len(lens)), counts)
@@ -386,6 +415,8 @@ class ModelRunner:
 
     def _launch(self, so: SchedulerOutput, defer_sampling: bool) -> LaunchedStep:
         self._update_states(so)
+        if self.drafter is not None:  # the scheduler reserved the slots; the draft fills them
+            self.drafter.propose([c for c in so.chunks if c.draft_token_ids])
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         out = RunnerOutput()
@@ -467,11 +498,17 @@ class ModelRunner:
         if step_mask is not None:  # constrained requests never have drafts: one row each
             self._grammar_rows(batch, step_mask, row_ids)
         (draft,) = self._to_device(np.asarray(drafts, dtype=np.int64))
+        # Each row draws one uniform from its request's generator; the rows past the
+        # first rejection must not have drawn: the result rewinds to here and replays.
+        saved = {rid: st.generator.get_state() for rid, st in zip(sample_ids, states, strict=True)
+                 if st.generator is not None}
         sampled = self.sampler.verify(logits, batch, draft, valid)
         for st in states:
             st.num_pending += 1
         self._prev_tokens, self._prev_rows = None, {}  # async scheduling is off with drafts
-        return LaunchedStep(self, out, sample_ids, sampled, valid, spec_counts=counts)
+        step = LaunchedStep(self, out, sample_ids, sampled, valid, spec_counts=counts)
+        step.generator_states = saved
+        return step
 
     def _owe_prompt_logprobs(self, c, row: int, plp_rows: dict) -> None:
         """Rows of this chunk whose logits give prompt logprobs not yet reported

@@ -162,33 +162,30 @@ class Sampler:
         """Speculative decoding's check of proposed tokens, one row per position.
 
         `draft[r]` is the token proposed for the position after row r (-1: none, the
-        last row of a request). Each row yields the token the request gets there if it is
-        reached (all drafts before it accepted): the draft itself when accepted, else a
-        token drawn from the target distribution p with the draft removed. A draft is
-        accepted with probability p(draft) (greedy rows: when it is the argmax). For a
-        deterministic draft that is exact rejection sampling: P(token t) = p(t)
-        [accepted] + (1 - p(x)) p(t) / (1 - p(x)) for t != x [rejected, renormalised], so
-        the output follows the target distribution. The row without a draft (the bonus
-        after every accepted one) draws from p itself. `accepted` marks the rows whose
-        draft was taken; the caller keeps a request's tokens up to its first False."""
+        last row of a request). Each row draws its token from the target distribution p
+        exactly as `sample` would (greedy rows: the argmax), and its draft is accepted
+        when the two agree; the caller keeps a request's tokens up to and including the
+        first disagreement. Every emitted token is then a draw from p given the tokens
+        before it, so the output follows the target distribution; for a deterministic
+        draft (n-gram, a draft model's greedy choice) a draft is accepted with
+        probability p(draft), as in rejection sampling, which is the most any
+        distribution-keeping check can accept. Drawing with one uniform per row, in
+        position order, keeps a seeded request's stream the same with or without
+        speculation (the runner rewinds the draws of rows past the first disagreement).
+        `accepted` marks the rows whose draft was taken."""
         raw_logprobs, logits = self._process(logits, b)
         has = draft >= 0
         x = draft.clamp(min=0)[:, None]
         best = logits.argmax(-1)
         if b.all_greedy:
-            accepted = has & (best == x[:, 0])
             final = best
         else:
             greedy = b.temperature == 0
             probs = self._probs(logits, b)
-            n, dev = len(probs), probs.device
-            u_accept = _uniforms(n, b.generators, self.generator, dev)
-            u_draw = _uniforms(n, b.generators, self.generator, dev)
-            p_x = probs.gather(-1, x)[:, 0]
-            residual = probs.scatter(-1, x, torch.where(has, 0.0, p_x)[:, None])
-            accepted = has & torch.where(greedy, best == x[:, 0], u_accept < p_x)
-            final = torch.where(greedy, best, _draw(residual, u_draw))
-        sampled = torch.where(accepted, x[:, 0], final)
+            u = _uniforms(len(probs), b.generators, self.generator, probs.device)
+            final = torch.where(greedy, best, _draw(probs, u))
+        accepted = has & (final == x[:, 0])
+        sampled = final
         out = self._output(sampled, valid, raw_logprobs, b)
         out.accepted = accepted
         return out
