@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp
+#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -10,7 +10,10 @@
 #   at 64 (256 prompts), each result holding the offline tok/s and served / offline; the
 #   table comes last;
 # quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine;
-# tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2.
+# tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
+# fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
+# fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k;
+# long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -190,6 +193,17 @@ trt)
             --output-json "$OUT/$w.json" 2>&1 | tail -3
     done
     summary "$OUT"/trt-8b-*.json
+    ;;
+long)
+    # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
+    # in the same run), 16 x (32,000 in, 128 out) against HF generate, a 128k prompt.
+    timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
+        --backend both --repeats 3 --warmup 0 --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
+    timeout "$(cap 300)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
+        --backend both --warmup 0 --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
+    timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-128k \
+        --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
+    summary "$OUT"/gpu-long*.json
     ;;
 tests)
     timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25

@@ -388,6 +388,10 @@ def run_throughput(args: argparse.Namespace) -> dict:
         "engine": engine_info,
         "results": results,
     }
+    if cfg.output_range == (1, 1):  # one token out: a run's time is its time to first token
+        for name in names:
+            results[name]["ttft_s"] = results[name]["elapsed_s"]
+            results[name]["ttft_s_runs"] = results[name]["elapsed_s_runs"]
     if "pagedllm" in results and "hf" in results:
         result["ratio"] = round(results["pagedllm"]["output_tokens_per_s"]
                                 / results["hf"]["output_tokens_per_s"], 3)

@@ -144,6 +144,15 @@ WORKLOADS: dict[str, Workload] = {
                           (1000, 1000), (1000, 1000), 64, 64, "fp8", "fp8"),
     "trt-8b-2k": Workload("trt-8b-2k", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 3000,
                           (128, 128), (2048, 2048), 64, 64, "fp8", "fp8"),
+    # Long prompts on the Llama-3.1-8B shape (llama3 rope scaling): 16 documents at once,
+    # and time to first token of one 32k and one 128k prompt (one output token: the
+    # elapsed time of a run is the TTFT; run with --repeats 3 for the median).
+    "gpu-long": Workload("gpu-long", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 16,
+                         (32000, 32000), (128, 128), 4, 4),
+    "gpu-long-ttft": Workload("gpu-long-ttft", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 1,
+                              (32000, 32000), (1, 1), 1, 1),
+    "gpu-long-128k": Workload("gpu-long-128k", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 1,
+                              (128000, 128000), (1, 1), 1, 1),
     "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
                          (32, 256), (128, 128), 16, 16),
 }
