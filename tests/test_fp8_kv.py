@@ -122,3 +122,29 @@ def test_plan_counts_fp8_pages(tiny_models):
     for a, b in zip(auto, fp8, strict=True):
         assert b.kv_bytes_per_token == per_token < a.kv_bytes_per_token
         assert b.kv_tokens > a.kv_tokens
+
+
+def test_fp8_pages_give_the_same_tokens_chunked_and_prefix_cached(tiny_models):
+    """Every attention reads the quantized pages (a chunk's own keys too), so splitting a
+    prompt into chunks or taking its prefix from the cache changes nothing: greedy tokens
+    and prompt logprobs equal those of whole prompts with no cache."""
+    path, _ = tiny_models("llama")
+    kw = dict(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8")
+    whole = LLM(**kw, enable_prefix_caching=False)
+    split = LLM(**kw, enable_prefix_caching=True, max_num_batched_tokens=16)
+    prompts = _prompts(4, seed=5)
+    prompts += [prompts[0] + [7, 8, 9]]  # a prefix of an earlier prompt, in the cache
+    scored = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
+    want = whole.generate([{"prompt_token_ids": p} for p in prompts], scored)
+    got = split.generate([{"prompt_token_ids": p} for p in prompts], scored)  # chunked
+    for x, y in zip(want, got, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for a, b in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True):
+            (ta,) = a
+            assert abs(a[ta].logprob - b[ta].logprob) < 1e-4
+    # Prompt logprobs bypass the prefix cache; plain requests read the cached blocks.
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for _ in range(2):
+        got = split.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert split.engine.stats().prefix_hits > 0

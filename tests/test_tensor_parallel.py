@@ -105,12 +105,12 @@ def _alive(pids: list[int], timeout: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
-def _assert_tp2_equals_tp1(path: str) -> None:
+def _assert_tp2_equals_tp1(path: str, **engine_kw) -> None:
     """Greedy tokens through LLM with two worker processes equal one in-process engine's,
     and the workers are gone after shutdown."""
     from pagedllm import LLM
 
-    kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128)
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=32, max_model_len=128, **engine_kw)
     want = _greedy(LLM(path, **kw))
     llm = LLM(path, tensor_parallel_size=2, **kw)
     try:
@@ -129,6 +129,13 @@ def _assert_tp2_equals_tp1(path: str) -> None:
 def test_tp2_greedy_equals_tp1(tiny_models, model_type, overrides):
     path, _ = tiny_models(model_type, **overrides)
     _assert_tp2_equals_tp1(path)
+
+
+def test_tp2_fp8_kv_cache_greedy_equals_tp1(tiny_models):
+    """FP8 pages under tensor parallelism: each rank quantizes its own KV heads with the
+    layer's scales, so the tokens are those of one rank holding every head."""
+    path, _ = tiny_models("llama", num_key_value_heads=2)
+    _assert_tp2_equals_tp1(path, kv_cache_dtype="fp8")
 
 
 def test_tp2_remote_code_model_from_its_original_layout(tiny_models, tmp_path):
