@@ -86,6 +86,7 @@ class EngineCore:
             logger.info("speculative decoding: n-gram, %d tokens, lookup %d..%d, off above %d "
                         "decoding sequences", spec.num_speculative_tokens, spec.prompt_lookup_min,
                         spec.prompt_lookup_max, spec.max_batch_size)
+        self._grammar_drafts = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_prefill_tokens_with_decodes,
                                    proposer)
@@ -201,9 +202,12 @@ class EngineCore:
             min_tokens=p.min_tokens, skip_prefix_cache=p.prompt_logprobs is not None,
             sampling_params=p, arrival_time=request.arrival_time,
             # Verification samples every draft position from the same processed logits:
-            # settings that change with each earlier token are not modelled there.
-            allow_spec=not (p.needs_penalties or p.min_tokens or compiled is not None
-                            or p.structured_outputs is not None),
+            # settings that change with each earlier token are not modelled there, except
+            # a grammar, whose matcher gives each n-gram draft position its own mask (a
+            # draft model's drafts are made on the worker, after the masks).
+            allow_spec=not (p.needs_penalties or p.min_tokens or (
+                (compiled is not None or p.structured_outputs is not None)
+                and not self._grammar_drafts)),
         ))
         if p.needs_penalties:
             self._penalized.add(request.request_id)
@@ -323,7 +327,9 @@ class EngineCore:
 
     def _step_mask(self, so):
         """The grammar masks of a step's sampled rows (None: none is constrained)."""
-        return self._grammars.bitmask([c.request_id for c in so.chunks if c.sample])
+        return self._grammars.bitmask([c.request_id for c in so.chunks if c.sample],
+                                      {c.request_id: c.draft_token_ids for c in so.chunks
+                                       if c.sample and c.draft_token_ids})
 
     def _live_ids(self, so) -> list[str]:
         reqs = self.scheduler.requests

@@ -21,7 +21,8 @@ from pagedllm.structured_output.compiler import GrammarCompiler
 @dataclass
 class StepBitmask:
     """The masks of one step: row i is for `request_ids[i]` (its next token's allowed
-    ids, one bit each, as xgrammar packs them: int32 words, little-endian bit order)."""
+    ids, one bit each, as xgrammar packs them: int32 words, little-endian bit order). A
+    request that verifies speculative drafts has 1 + drafts rows, in position order."""
 
     request_ids: list[str]
     bitmask: np.ndarray  # [len(request_ids), ceil(vocab / 32)] int32
@@ -54,17 +55,39 @@ class SequenceGrammars:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def bitmask(self, request_ids: list[str]) -> StepBitmask | None:
-        """The masks of those of `request_ids` that are constrained (None: none is)."""
+    def bitmask(self, request_ids: list[str],
+                drafts: dict[str, list[int]] | None = None) -> StepBitmask | None:
+        """The masks of those of `request_ids` that are constrained (None: none is).
+
+        A request with speculative `drafts` gets a row per verified position: the mask
+        after its tokens so far, then after each draft in turn. The matcher takes the
+        drafts tentatively and is rolled back after; from the first draft the grammar
+        refuses on, the rows allow everything: that draft is rejected by the row before
+        (whose mask excludes it), so the rows after it are never emitted."""
         import xgrammar
 
         ids = [r for r in request_ids if r in self._matchers]
         if not ids:
             return None
-        mask = xgrammar.allocate_token_bitmask(len(ids), self.compiler.vocab_size)
-        for i, rid in enumerate(ids):
-            self._matchers[rid].fill_next_token_bitmask(mask, i)
-        return StepBitmask(ids, mask.numpy())
+        drafts = drafts or {}
+        rows = [rid for rid in ids for _ in range(1 + len(drafts.get(rid, ())))]
+        mask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        i = 0
+        for rid in ids:
+            m = self._matchers[rid]
+            m.fill_next_token_bitmask(mask, i)
+            i += 1
+            taken = 0
+            for d in drafts.get(rid, ()):
+                if m.is_terminated() or not m.accept_token(d):
+                    break
+                taken += 1
+                m.fill_next_token_bitmask(mask, i)
+                i += 1
+            if taken:
+                m.rollback(taken)
+            i += len(drafts.get(rid, ())) - taken  # rows left all-ones
+        return StepBitmask(rows, mask.numpy())
 
     def accept(self, request_id: str, token: int) -> tuple[bool, bool]:
         """Advance a sequence's matcher by its new token: (accepted, terminated). A token

@@ -495,7 +495,7 @@ class ModelRunner:
         row_states = [st for st, n in zip(states, counts, strict=True) for _ in range(n)]
         row_ids = [rid for rid, n in zip(sample_ids, counts, strict=True) for _ in range(n)]
         batch = self._sampling_batch(row_states, logits.shape[-1])
-        if step_mask is not None:  # constrained requests never have drafts: one row each
+        if step_mask is not None:  # a row per verified position of a constrained request
             self._grammar_rows(batch, step_mask, row_ids)
         (draft,) = self._to_device(np.asarray(drafts, dtype=np.int64))
         # Each row draws one uniform from its request's generator; the rows past the
@@ -536,8 +536,16 @@ class ModelRunner:
         """Place a step's grammar masks (a StepBitmask: one row per constrained sequence)
         on the rows of the sampled batch; the other rows' words are all ones and are not
         touched when the mask is applied (only the listed rows are)."""
-        row_of = {rid: i for i, rid in enumerate(sample_ids)}
-        rows = [row_of[rid] for rid in step_mask.request_ids]
+        # A request verifying drafts has several rows, in order, in both lists.
+        rows_of: dict[str, list[int]] = {}
+        for i, rid in enumerate(sample_ids):
+            rows_of.setdefault(rid, []).append(i)
+        taken: dict[str, int] = {}
+        rows = []
+        for rid in step_mask.request_ids:
+            j = taken.get(rid, 0)
+            rows.append(rows_of[rid][j])
+            taken[rid] = j + 1
         full = np.full((len(sample_ids), step_mask.bitmask.shape[1]), -1, dtype=np.int32)
         full[rows] = step_mask.bitmask
         if len(rows) == len(sample_ids):  # every row: no index list at all
