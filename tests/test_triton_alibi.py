@@ -8,7 +8,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from test_triton_attention import CASES, DEV, _batch, _meta  # noqa: E402  (skips without CUDA)
+from paged_batch import paged_batch as _batch  # noqa: E402
+from paged_batch import paged_meta  # noqa: E402
+from test_triton_attention import CASES, DEV  # noqa: E402  (skips without CUDA)
 
 from pagedllm.attention.torch_backend import TorchPagedAttention  # noqa: E402
 from pagedllm.attention.triton_backend import TritonPagedAttention  # noqa: E402
@@ -24,7 +26,7 @@ def test_triton_alibi_matches_torch(case):
     q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
     slopes = alibi_slopes(hq).to(DEV) * 4  # steeper than real slopes: the bias must matter
     tile_q = TritonPagedAttention.tile_q(hq // hkv)
-    meta = _meta(tables, slots, q_start, ql, ctx, nd, tile_q)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, tile_q, DEV)
     scale = dim**-0.5
     ref = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale,
                                       alibi_slopes=slopes)
@@ -45,7 +47,7 @@ def test_triton_sliding_window_matches_torch(case, window):
     q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = _batch(seqs, hq, hkv, dim, page,
                                                                    torch.float32)
     q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
-    meta = _meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(hq // hkv))
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(hq // hkv), DEV)
     scale = dim**-0.5
     ref = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale, sliding_window=window)
     out = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale, sliding_window=window)
