@@ -66,6 +66,14 @@ def test_batch_parity(tiny_models, name):
     _check(llm, hf, _prompts(5, seed=11, lo=lo, hi=hi))
 
 
+def test_batch_invariant_backend_soft_caps_too(tiny_models):
+    """The batch-invariant mode's attention (its own backend) soft-caps as well."""
+    path, hf = _model(tiny_models, "gemma2")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, batch_invariant=True)
+    assert llm.engine.executor.runner.backend.name == "batch_invariant"
+    _check(llm, hf, _prompts(3, seed=18, lo=10, hi=40))
+
+
 def test_softcaps_change_the_output(tiny_models):
     """The Gemma 2 model above depends on its caps: without them HF's logprobs differ
     (so the parity test sees them)."""
