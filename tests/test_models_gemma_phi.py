@@ -289,3 +289,36 @@ def test_cuda_bf16_follows_hf_until_near_tie(tiny_models, name):
                 margin = (ref_lps[i][b] - ref_lps[i][a]).item()
                 assert margin < 0.1, f"diverged at {i} with a clear margin {margin}"
                 break
+
+
+def _word_tokenizer(path: str, chat_template: str | None = None) -> None:
+    """A tiny word-level fast tokenizer saved to `path` (with Gemma's turn markers)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "user", "model", "hi", "there"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", chat_template=chat_template)
+    fast.save_pretrained(path)
+
+
+GEMMA_TURNS = ("{{ bos_token }}{% for m in messages %}<start_of_turn> {{ m['role'] }} {{ m['content'] }} "
+               "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn> model {% endif %}")
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "processor"])
+def test_chat_template_comes_from_the_checkpoint(tmp_path, where):
+    """The checkpoint's own template: the tokenizer's, or (multimodal Gemma 3) the
+    processor's chat_template.json when the tokenizer has none."""
+    from pagedllm.model_source import ModelSource
+    from pagedllm.tokenizers import load_tokenizer
+
+    _word_tokenizer(str(tmp_path), GEMMA_TURNS if where == "tokenizer_config" else None)
+    if where == "processor":
+        (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": GEMMA_TURNS}))
+    tok = load_tokenizer(ModelSource(str(tmp_path), "hf", "safetensors"))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    assert tok.decode(ids) == "<bos> <start_of_turn> user hi there <end_of_turn> <start_of_turn> model"
