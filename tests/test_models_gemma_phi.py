@@ -322,3 +322,17 @@ def test_chat_template_comes_from_the_checkpoint(tmp_path, where):
     ids = tok.apply_chat_template([{"role": "user", "content": "hi there"}], add_generation_prompt=True,
                                   tokenize=True, return_dict=False)
     assert tok.decode(ids) == "<bos> <start_of_turn> user hi there <end_of_turn> <start_of_turn> model"
+
+
+def test_phi3_quantized_to_fp8_at_load(tiny_models):
+    """quantization="fp8" on a Phi-3 float checkpoint: the fused tensors are cut into their
+    shards as float rows, then each row quantized; on CPU the engine equals HF holding the
+    quantize-dequantize of every decoder projection (one scale per output row, so the fused
+    rows quantize as the split ones)."""
+    from quant_packers import assert_parity, fake_quantize_fp8_rows, reference_model
+
+    path, hf = _model(tiny_models, "phi3-partial")
+    llm = LLM(model=path, quantization="fp8", skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
+    state = {n: fake_quantize_fp8_rows(t) if ".layers." in n and n.endswith("proj.weight") else t
+             for n, t in hf.state_dict().items()}
+    assert_parity(llm, reference_model(hf, state), _prompts(3, seed=19, lo=10, hi=30))

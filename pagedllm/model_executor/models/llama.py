@@ -89,10 +89,14 @@ class ModelShape:
         self.attn_scale = (scalar if scalar else self.head_dim) ** -0.5
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None) or None
         self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
-        if spec.fused_checkpoint and quant is not None:
+        if getattr(config, "use_bidirectional_attention", False):  # embedding models (EmbeddingGemma)
+            raise NotImplementedError("use_bidirectional_attention: pagedllm serves causal decoders only")
+        packed = quant is not None and not (quant.method == "fp8" and quant.checkpoint_format == "float")
+        if spec.fused_checkpoint and packed:
             # packed qkv_proj / gate_up_proj split along their output columns, not rows: untested
+            # (float rows quantized to FP8 at load split as float ones do)
             raise NotImplementedError(f"quantized {architecture} checkpoints are not supported "
-                                      "(float weights only)")
+                                      "(float weights only; quantization='fp8' at load works)")
         # transformers 5 moved partial_rotary_factor into rope_parameters
         rotary_pct = (getattr(config, "partial_rotary_factor", None)
                       or rope_parameters(config).get("partial_rotary_factor") or 1.0)
