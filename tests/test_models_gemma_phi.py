@@ -336,3 +336,29 @@ def test_phi3_quantized_to_fp8_at_load(tiny_models):
     state = {n: fake_quantize_fp8_rows(t) if ".layers." in n and n.endswith("proj.weight") else t
              for n, t in hf.state_dict().items()}
     assert_parity(llm, reference_model(hf, state), _prompts(3, seed=19, lo=10, hi=30))
+
+
+def test_gemma3_local_rope_from_either_transformers_spelling():
+    """transformers 4.x names the local layers' base `rope_local_base_freq` beside a global
+    `rope_theta` / `rope_scaling`; 5.x converts that into `rope_parameters` per layer type.
+    Both give the local and global tables of transformers' own Gemma 3 rotary module."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from pagedllm.model_executor.layers.rotary import inv_freq_and_scale, per_layer_type_rope
+
+    v5 = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_theta=1e6,
+                          rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    hf = Gemma3RotaryEmbedding(v5)
+    v4 = SimpleNamespace(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None)  # unscaled global
+    assert per_layer_type_rope(v5) and per_layer_type_rope(v4)
+    for kind in ("sliding_attention", "full_attention"):
+        inv, scale = inv_freq_and_scale(v5, 16, 128, kind)
+        torch.testing.assert_close(inv, getattr(hf, f"{kind}_inv_freq"))
+        assert scale == getattr(hf, f"{kind}_attention_scaling")
+    torch.testing.assert_close(inv_freq_and_scale(v4, 16, 128, "sliding_attention")[0],
+                               hf.sliding_attention_inv_freq)
+    torch.testing.assert_close(inv_freq_and_scale(v4, 16, 128, "full_attention")[0] / 8,
+                               hf.full_attention_inv_freq)

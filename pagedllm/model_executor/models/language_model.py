@@ -31,5 +31,4 @@ def language_model_config(config):
         value = getattr(config, key, None)
         if value is not None:
             setattr(flat, key, value)
-    flat.served_as_text_only = True
     return flat
