@@ -82,6 +82,9 @@ def rope_scaling_of(hf_config) -> dict:
     (`rope_parameters`) spellings, its type under `rope_type` ("default": none)."""
     params = dict(getattr(hf_config, "rope_parameters", None)
                   or getattr(hf_config, "rope_scaling", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        # keyed by layer type (Gemma 3 in transformers 5): the global layers' scaling
+        params = dict(params.get("full_attention") or {})
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
 

@@ -20,26 +20,33 @@ def make_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **kw)
 
 
-def random_tiny_model(model_type: str, seed: int = 0, **overrides):
-    """A random HF model in float32 with weights wide enough that greedy choices are far
-    from ties (the default init leaves tiny logits)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = make_config(model_type, **overrides)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+def randomize(model, norm_std: float = 0.0):
+    """Weights wide enough that greedy choices are far from ties (the default init leaves
+    tiny logits); with `norm_std`, norm weights drawn too (around 0 for Gemma's (1 + w))."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
             elif "bias" in name:
                 p.normal_(0, 0.1)
+            elif norm_std and "norm" in name:
+                p.normal_(0, norm_std)
     return model
 
 
-def save_tiny_model(path: str, model_type: str, seed: int = 0, safetensors: bool = True, **overrides):
+def random_tiny_model(model_type: str, seed: int = 0, norm_std: float = 0.0, **overrides):
+    """A random HF model in float32 (randomize)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = make_config(model_type, **overrides)
+    return randomize(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval(), norm_std)
+
+
+def save_tiny_model(path: str, model_type: str, seed: int = 0, safetensors: bool = True,
+                    norm_std: float = 0.0, **overrides):
     """Build a random HF model (random_tiny_model), save it (no tokenizer), return it."""
-    model = random_tiny_model(model_type, seed, **overrides)
+    model = random_tiny_model(model_type, seed, norm_std, **overrides)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=safetensors)
     return model

@@ -38,6 +38,25 @@ def test_rms_norm_with_and_without_residual(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 2304])
+def test_gemma_rms_norm_matches_transformers(dtype, n):
+    """Gemma's (1 + w) norm, scaled in float32 before the cast, as transformers' Gemma2RMSNorm."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g).to(DEV, dtype)
+    r = torch.randn(9, n, generator=g).to(DEV, dtype)
+    ref = Gemma2RMSNorm(n, eps=1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(n, generator=g).mul(0.5))
+        tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fused_ops.rms_norm(x, ref.weight, 1e-6, gemma=True), ref(x), **tol)
+        r2 = r.clone()
+        torch.testing.assert_close(fused_ops.rms_norm(x, ref.weight, 1e-6, r2, gemma=True), ref(x + r), **tol)
+        torch.testing.assert_close(r2, x + r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,dim,rot", [(32, 32, 128, 128), (16, 8, 128, 128), (9, 3, 64, 64), (4, 2, 64, 32)])
 def test_rotary_in_place_matches_reference(dtype, hq, hkv, dim, rot):
     from transformers import LlamaConfig

@@ -84,6 +84,7 @@ class _Plan:
 class BatchInvariantAttention:
     name = "batch_invariant"
     supports_alibi = True
+    supports_softcap = True
     prefill_tile_q = 0
     long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
 
@@ -102,6 +103,7 @@ class BatchInvariantAttention:
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,  # scores -> cap * tanh(score / cap) (Gemma 2)
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         dev = q.device
@@ -134,6 +136,8 @@ class BatchInvariantAttention:
             qs = qt if sel is None else qt.index_select(0, sel)
             s = bmm(qs.reshape(ns * hkv, rows, dim), kp.permute(0, 2, 3, 1).reshape(ns * hkv, dim, PAGE))
             s = s.view(ns, hkv, rows, PAGE) * scale
+            if logits_soft_cap is not None:
+                s = elementwise(torch.tanh, s / logits_soft_cap) * logits_soft_cap
             if slopes is not None:
                 s = s + slopes * dist
             s = s.masked_fill(~visible, float("-inf"))

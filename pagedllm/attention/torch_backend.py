@@ -7,7 +7,9 @@ ones to the longest would waste a quarter of the gather). Prefill chunks are ser
 
 ALiBi models (Baichuan-13B) pass per-head slopes: the score of query i on key j gets
 -m_h * (i - j) added after the 1/sqrt(d) scaling. Sliding-window layers (Mistral) pass the
-window W: query i sees keys i - W + 1 .. i.
+window W: query i sees keys i - W + 1 .. i. Gemma 2 soft-caps the scaled scores,
+cap * tanh(score / cap), before the mask: SDPA cannot, so those layers compute the scores
+themselves (in float32, as transformers' eager attention).
 """
 
 from __future__ import annotations
@@ -36,6 +38,27 @@ def dequantize(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
         return pages
     out = pages.to(dtype)
     return out if scale == 1.0 else out * scale
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
+          mask: torch.Tensor | None = None, causal: bool = False,
+          softcap: float | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D]; `mask` is boolean (True:
+    visible) or additive, `causal` aligns the last query with the last key."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        lq, lk = s.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
 def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[tuple[torch.Tensor | None, int]]:
@@ -72,6 +95,7 @@ def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[tuple[torch
 class TorchPagedAttention:
     name = "torch"
     supports_alibi = True
+    supports_softcap = True
     prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
     long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
 
@@ -99,6 +123,7 @@ class TorchPagedAttention:
         sliding_window: int | None = None,  # a query sees this many positions, itself included
         k_scale: float = 1.0,  # fp8 caches: the stored values are k / k_scale, v / v_scale
         v_scale: float = 1.0,
+        logits_soft_cap: float | None = None,  # scores -> cap * tanh(score / cap) (Gemma 2)
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         fp8 = is_fp8(k_cache)
@@ -126,9 +151,7 @@ class TorchPagedAttention:
                 bias = alibi_slopes[None, :, None, None] * dist[:, None, None, :].float()
                 mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
             qd = q[:nd] if rows is None else q.index_select(0, rows)
-            o = F.scaled_dot_product_attention(
-                qd.unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa
-            ).squeeze(2)
+            o = _sdpa(qd.unsqueeze(2), kc, vc, scale, gqa, mask=mask, softcap=logits_soft_cap).squeeze(2)
             if rows is None:
                 out[:nd] = o
             else:
@@ -147,8 +170,7 @@ class TorchPagedAttention:
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             windowed = sliding_window is not None and sliding_window < ctx
             if alibi_slopes is None and ctx == qlen and not windowed:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)
+                o = _sdpa(qs, ks, vs, scale, gqa, causal=True, softcap=logits_soft_cap)
             else:
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)
                 dist = torch.arange(ctx, device=q.device)[None, :] - qpos[:, None]
@@ -159,7 +181,6 @@ class TorchPagedAttention:
                 else:
                     mask = (alibi_slopes[:, None, None] * dist.float()).masked_fill(
                         dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                   enable_gqa=gqa)
+                o = _sdpa(qs, ks, vs, scale, gqa, mask=mask, softcap=logits_soft_cap)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out

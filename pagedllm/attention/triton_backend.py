@@ -13,6 +13,7 @@ the grid, which is what lets decode steps be captured in CUDA graphs.
 ALiBi models (Baichuan-13B) pass per-head slopes; the kernel adds -m_h * (i - j) to each
 score (ALIBI is a compile-time switch, so other models pay nothing). Sliding-window layers
 (Mistral) mask keys more than `window - 1` positions back and skip the pages before them.
+Gemma 2 soft-caps the scaled scores, cap * tanh(score / cap) (SOFTCAP, also compile-time).
 """
 
 from __future__ import annotations
@@ -60,13 +61,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes,
-    scale_log2, v_scale, window,
+    scale_log2, v_scale, window, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -122,6 +123,9 @@ def _paged_attention_kernel(
         if FP8:  # e4m3 pages, exact in the compute dtype; k_scale is in scale_log2
             k = k.to(Q.dtype.element_ty)
         s = _dot(q, k, IEEE) * scale_log2
+        if SOFTCAP:  # c * tanh(s / c) on the log2-scaled scores, c = cap * log2(e): the same
+            # as capping the natural ones; tanh(x) = 1 - 2 / (exp(2x) + 1), saturating to +-1
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
         if ALIBI:
             s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
         visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
@@ -152,6 +156,7 @@ def _pow2(x: int) -> int:
 class TritonPagedAttention:
     name = "triton"
     supports_alibi = True
+    supports_softcap = True
     graph_safe = True  # nothing in a launch reads the host: decode steps can be captured
     BLOCK_M_PREFILL = 64
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
@@ -175,13 +180,15 @@ class TritonPagedAttention:
     @staticmethod
     def _launch_args(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float,
                      alibi_slopes: torch.Tensor | None, sliding_window: int | None,
-                     k_scale: float, v_scale: float) -> tuple[tuple, dict]:
+                     k_scale: float, v_scale: float,
+                     logits_soft_cap: float | None = None) -> tuple[tuple, dict]:
         """The kernel's arguments shared by the decode and the prefill launches."""
         hq, dim = q.shape[1], q.shape[2]
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         common = dict(
             scale_log2=scale * 1.4426950408889634 * (k_scale if fp8 else 1.0), v_scale=v_scale,
             FP8=fp8, window=sliding_window or 0,
+            softcap_log2=(logits_soft_cap or 0.0) * 1.4426950408889634, SOFTCAP=logits_soft_cap is not None,
             WINDOW=sliding_window is not None,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
@@ -196,13 +203,13 @@ class TritonPagedAttention:
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0):
+                k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
         group = q.shape[1] // hkv
         args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
-                                        sliding_window, k_scale, v_scale)
+                                        sliding_window, k_scale, v_scale, logits_soft_cap)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
@@ -235,12 +242,12 @@ class TritonInvariantAttention(TritonPagedAttention):
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0):
+                k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
         args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
-                                        sliding_window, k_scale, v_scale)
+                                        sliding_window, k_scale, v_scale, logits_soft_cap)
         common.update(BLOCK_M=cls.BLOCK_M, **cls.PREFILL_LAUNCH)
         slopes = q if alibi_slopes is None else alibi_slopes
         if meta.num_decode:

@@ -32,7 +32,23 @@ def load_tokenizer(source: ModelSource, tokenizer_path: str | None = None):
         raise ValueError(
             f"no tokenizer files in {source.path!r}: pass tokenizer=... or skip_tokenizer_init=True"
         )
-    return AutoTokenizer.from_pretrained(source.path)
+    return with_processor_chat_template(AutoTokenizer.from_pretrained(source.path), source.path)
+
+
+def with_processor_chat_template(tokenizer, path: str):
+    """Multimodal checkpoints (Gemma 3) may keep their chat template only in the processor's
+    `chat_template.json`, which AutoTokenizer does not read: served as text models, they
+    take it from there when the tokenizer has none."""
+    file = os.path.join(path, "chat_template.json")
+    if getattr(tokenizer, "chat_template", None) or not os.path.exists(file):
+        return tokenizer
+    import json
+
+    with open(file) as f:
+        template = json.load(f).get("chat_template")
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 def gguf_tokenizer(path: str):

@@ -33,7 +33,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, eps, N: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, GEMMA: tl.constexpr,
+                         PDL: tl.constexpr):
         if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
             tok = wait()
             X += tok
@@ -48,9 +49,12 @@ if triton is not None:
             tl.store(R + row * stride_r + offs, x, mask=mask)  # the new residual, in place
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / N
-        h = (xf * tl.rsqrt(var + eps)).to(x.dtype)
         w = tl.load(W + offs, mask=mask, other=0.0)
-        tl.store(Y + row * stride_y + offs, (w * h).to(Y.dtype.element_ty), mask=mask)
+        if GEMMA:  # (1 + w) in float32, one rounding at the end (norm.py)
+            y = xf * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
+        else:
+            y = w * (xf * tl.rsqrt(var + eps)).to(x.dtype)
+        tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotate_heads(X, t, stride_t, stride_h, cos, sin, d, dm, H: tl.constexpr,
@@ -97,15 +101,17 @@ if triton is not None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, gemma: bool = False) -> torch.Tensor:
     """RMSNorm of the last dim; with `residual`, x + residual is normed and written back
-    into `residual` (which must be contiguous in its last dim)."""
+    into `residual` (which must be contiguous in its last dim). `gemma`: scaled by
+    (1 + weight) in float32 (norm.py)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     r2 = residual.view(-1, n) if residual is not None else x2
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None, **pdl.kernel_options(x),
+                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None, GEMMA=gemma,
+                                     **pdl.kernel_options(x),
                                      num_warps=4 if n <= 4096 else 8)
     return y.view(x.shape)
 

@@ -25,10 +25,19 @@ from torch import nn
 from pagedllm.model_executor.layers import fused_ops
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x
-    (`rope_parameters`) spellings into one dict with `rope_type` and `rope_theta`."""
+    (`rope_parameters`) spellings into one dict with `rope_type` and `rope_theta`.
+
+    Gemma 3 gives its local (sliding) layers a rope of their own: transformers 5 keys
+    `rope_parameters` by layer type, 4.x names a `rope_local_base_freq` (no scaling there;
+    `rope_scaling` is the global layers'). `layer_type` picks one; None means the global
+    ("full_attention") layers'."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):  # keyed by layer type
+        params = dict(params.get(layer_type or "full_attention") or {})
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+        return {"rope_type": "default", "rope_theta": float(config.rope_local_base_freq)}
     if not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -36,10 +45,19 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inv_freq_and_scale(config, rotary_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+def per_layer_type_rope(config) -> bool:
+    """Whether local and global layers rotate with different frequencies (Gemma 3)."""
+    nested = getattr(config, "rope_parameters", None) or {}
+    if nested and all(isinstance(v, dict) for v in nested.values()):
+        return True
+    return bool(getattr(config, "rope_local_base_freq", None))
+
+
+def inv_freq_and_scale(config, rotary_dim: int, max_positions: int,
+                       layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale (YaRN's and longrope's attention factor)
     for a cache of `max_positions` positions."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, layer_type)
     if params["rope_type"] in ("default", None):
         base = float(params["rope_theta"])
         inv = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
@@ -51,7 +69,11 @@ def inv_freq_and_scale(config, rotary_dim: int, max_positions: int) -> tuple[tor
         raise ValueError(f"unsupported rope scaling type {params['rope_type']!r}")
     # longrope's factor set is picked by this length (the module docstring says why once).
     seq_len = max_positions if params["rope_type"] == "longrope" else None
-    inv, scale = fn(config, torch.device("cpu"), seq_len=seq_len)
+    if per_layer_type_rope(config) and not getattr(config, "rope_local_base_freq", None):
+        # transformers 5: parameters per layer type, which its initialisers take by name
+        inv, scale = fn(config, torch.device("cpu"), seq_len=seq_len, layer_type=layer_type or "full_attention")
+    else:
+        inv, scale = fn(config, torch.device("cpu"), seq_len=seq_len)
     return inv.float(), float(scale)
 
 
@@ -70,8 +92,9 @@ class RotaryEmbedding(nn.Module):
     the pair (2i, 2i+1)."""
 
     def __init__(self, config, head_dim: int, rotary_dim: int, max_positions: int,
-                 interleaved: bool = False, alibi_heads: int = 0):
+                 interleaved: bool = False, alibi_heads: int = 0, layer_type: str | None = None):
         super().__init__()
+        self.layer_type = layer_type  # whose rope parameters (rope_parameters); None: global
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
         self.interleaved = interleaved
@@ -89,7 +112,7 @@ class RotaryEmbedding(nn.Module):
         if self.alibi_heads:
             self.alibi_slopes = alibi_slopes(self.alibi_heads).to(device)
             return
-        inv, scale = inv_freq_and_scale(self.config, self.rotary_dim, self.max_positions)
+        inv, scale = inv_freq_and_scale(self.config, self.rotary_dim, self.max_positions, self.layer_type)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv)
         self.cos = (freqs.cos() * scale).to(device)
         self.sin = (freqs.sin() * scale).to(device)

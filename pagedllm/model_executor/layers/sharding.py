@@ -30,6 +30,34 @@ def read_block(t, *index: slice) -> torch.Tensor:
     return t[()] if not t.get_shape() else t[:]  # a 0-dim slice takes no `:`
 
 
+class _LazyRows:
+    """Rows [start, stop) of a lazy safetensors slice, itself lazy: indexing reads only the
+    block asked for (a fused checkpoint tensor cut into shards, each rank reading its part)."""
+
+    def __init__(self, t, start: int, stop: int):
+        self.t, self.start, self.stop = t, start, stop
+
+    def get_shape(self) -> list[int]:
+        return [self.stop - self.start, *self.t.get_shape()[1:]]
+
+    def get_dtype(self) -> str:
+        return self.t.get_dtype()
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else slice(None)
+        lo, hi, step = first.indices(self.stop - self.start)
+        if step != 1:
+            raise ValueError("a row block is read with unit steps only")
+        return self.t[(slice(self.start + lo, self.start + hi), *index[1:])]
+
+
+def rows(t, start: int, stop: int):
+    """Rows [start, stop) of a torch tensor (a view) or of a lazy safetensors slice (still
+    lazy), for the sharded layers to cut their block from."""
+    return t[start:stop] if isinstance(t, torch.Tensor) else _LazyRows(t, start, stop)
+
+
 def dtype_of(t) -> torch.dtype:
     """dtype of a torch tensor or of a lazy safetensors slice (read without its data)."""
     if isinstance(t, torch.Tensor):

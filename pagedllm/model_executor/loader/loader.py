@@ -13,8 +13,10 @@ import torch
 
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.quantization import resolve_quant_config
+from pagedllm.model_executor.layers.rotary import RotaryEmbedding
 from pagedllm.model_executor.loader.gguf_file import gguf_config, gguf_quant_config, gguf_weights
 from pagedllm.model_executor.models import resolve_architecture
+from pagedllm.model_executor.models.language_model import language_model_config
 from pagedllm.model_executor.models.remote_code import remote_code_architecture, remote_code_config
 
 # resolve_source is re-exported: the engine imports it from here.
@@ -41,7 +43,7 @@ def load_hf_config(source: ModelSource):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source.path)
+        return language_model_config(AutoConfig.from_pretrained(source.path))
     except ValueError as e:  # e.g. an unknown remote-code model_type
         if raw.get("auto_map") or raw.get("architectures"):
             from types import SimpleNamespace
@@ -150,7 +152,9 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     finally:
         torch.set_default_dtype(prev)
     model = model.to_empty(device=device)
-    model.rotary.build_tables(device)
+    for module in model.modules():  # every rope table (Gemma 3 has a local and a global one)
+        if isinstance(module, RotaryEmbedding):
+            module.build_tables(device)
     if source.load_format == "dummy":
         _dummy_weights(model, seed)
     elif source.kind == "gguf":

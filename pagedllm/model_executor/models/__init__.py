@@ -14,6 +14,10 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": GlmForCausalLM,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForConditionalGeneration": LlamaForCausalLM,  # the language model only
+    "Phi3ForCausalLM": LlamaForCausalLM,
     **{arch: MoeForCausalLM for arch in MOE_ARCHITECTURES},
     # remote-code checkpoints, read without running their code (models/remote_code.py)
     **{arch: RemoteCodeForCausalLM for arch in REMOTE_CODE_FAMILY},

@@ -45,11 +45,44 @@ class ArchSpec:
     # Interleaved-pair rotary (GPT-J style) on `partial_rotary_factor` of the head (GLM).
     rotary_interleaved: bool = False
     moe: MoeSpec | None = None
+    # Gemma: RMSNorm scales by (1 + weight), in float32 before the cast back; the token
+    # embeddings are multiplied by sqrt(hidden_size) in the activations' dtype.
+    gemma_norm: bool = False
+    embed_scale: bool = False
+    # Checkpoint name fragments -> ours, the first match only (so renames may swap names):
+    # Gemma's four norms around attention and MLP onto the sandwich-norm modules.
+    renames: tuple[tuple[str, str], ...] = ()
+    # Checkpoint name prefixes -> ours, the first match only: a multimodal wrapper's
+    # language model onto the decoder's names.
+    prefixes: tuple[tuple[str, str], ...] = ()
+    # Checkpoint tensors of parts not served (a vision tower), skipped by name prefix.
+    ignore_prefixes: tuple[str, ...] = ()
+    # q/k/v and gate/up stored fused in the checkpoint ([q | k | v] rows, [gate | up] rows,
+    # Phi-3), cut into our fused layers' shards at load.
+    fused_checkpoint: bool = False
 
 
 LLAMA = ArchSpec()
 _GLM = ArchSpec(attention_bias_on_o=False, rotary_interleaved=True)
 _QWEN_MOE = MoeSpec("num_experts", "moe_intermediate_size", renormalise=None, weights_in_fp32=False)
+
+# Gemma 2/3 checkpoints name the norm after attention `post_attention_layernorm` and the
+# one before the MLP `pre_feedforward_layernorm`; the decoder's sandwich norms are named as
+# GLM-4's (`post_self_attn_layernorm`, `post_attention_layernorm`, `post_mlp_layernorm`).
+_GEMMA_NORMS = ((".post_attention_layernorm.", ".post_self_attn_layernorm."),
+                (".pre_feedforward_layernorm.", ".post_attention_layernorm."),
+                (".post_feedforward_layernorm.", ".post_mlp_layernorm."))
+_GEMMA2 = ArchSpec(sandwich_norm=True, gemma_norm=True, embed_scale=True, renames=_GEMMA_NORMS)
+_GEMMA3 = ArchSpec(sandwich_norm=True, gemma_norm=True, embed_scale=True, qk_norm=True, renames=_GEMMA_NORMS)
+# Gemma3ForConditionalGeneration: the language model only. transformers < 4.52 and the
+# published checkpoints write `language_model.model.*`, later versions `model.language_model.*`.
+_GEMMA3_MM = ArchSpec(
+    sandwich_norm=True, gemma_norm=True, embed_scale=True, qk_norm=True,
+    renames=_GEMMA_NORMS,
+    prefixes=(("language_model.model.", "model."), ("model.language_model.", "model."),
+              ("language_model.lm_head.", "lm_head.")),
+    ignore_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector."))
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": LLAMA,
@@ -62,6 +95,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                                weights_in_fp32=True)),
     "Qwen2MoeForCausalLM": ArchSpec(moe=_QWEN_MOE),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=_QWEN_MOE),
+    "Gemma2ForCausalLM": _GEMMA2,
+    "Gemma3ForCausalLM": _GEMMA3,
+    "Gemma3ForConditionalGeneration": _GEMMA3_MM,
+    "Phi3ForCausalLM": ArchSpec(fused_checkpoint=True),
     # remote-code checkpoints (models/remote_code.py): switches come with the translated config
     "InternLMForCausalLM": LLAMA,
     "InternLM2ForCausalLM": LLAMA,

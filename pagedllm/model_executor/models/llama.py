@@ -1,12 +1,16 @@
-"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, GLM), also
-serving the remote-code families of models/remote_code.py (InternLM, Baichuan, Qwen v1, ChatGLM).
+"""One parametrised decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, GLM, Gemma 2/3,
+Phi-3/Phi-4), also serving the remote-code families of models/remote_code.py (InternLM,
+Baichuan, Qwen v1, ChatGLM).
 
 They differ only in switches: what the architecture fixes comes from its entry in
 models/architectures.py (bias on q/k/v for Qwen2, per-head q/k RMSNorm for Qwen3,
-interleaved-pair rotary for GLM, extra norms after each sublayer for GLM-4-0414), what a
-checkpoint decides from its config (bias on every attention projection, Llama
+interleaved-pair rotary for GLM, extra norms after each sublayer for GLM-4-0414 and Gemma,
+Gemma's (1 + w) RMSNorm and scaled embeddings, checkpoint names to map or cut apart),
+what a checkpoint decides from its config (bias on every attention projection, Llama
 `attention_bias`; an explicit head_dim; tied embeddings; the rope scaling; partial rotary;
-ALiBi instead of rotary, Baichuan-13B `alibi`). ModelShape merges the two once.
+ALiBi instead of rotary, Baichuan-13B `alibi`; sliding-window layers and their own rope,
+Gemma 3; the attention scale `query_pre_attn_scalar`; tanh soft-capping of attention
+scores and of the final logits, Gemma 2; the MLP activation). ModelShape merges the two once.
 q/k/v and gate/up are fused into single matmuls; the loader fills the fused weights shard by
 shard. Every linear layer is one family (layers/linear.py): its parallel style is chosen
 here, its storage (float, GPTQ/AWQ, GGUF-packed) by the checkpoint's QuantConfig. Under
@@ -37,11 +41,16 @@ from pagedllm.model_executor.layers.parallel import (
     gather_logits,
 )
 from pagedllm.model_executor.layers.quantization import QuantConfig
-from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.model_executor.layers.rotary import (
+    RotaryEmbedding,
+    per_layer_type_rope,
+    rope_parameters,
+)
 from pagedllm.model_executor.layers.sharding import (
     ShardedWeights,
     head_partition,
     read_block,
+    rows,
     shape_of,
 )
 from pagedllm.model_executor.models.architectures import arch_spec
@@ -69,9 +78,25 @@ class ModelShape:
         self.sandwich_norm = spec.sandwich_norm
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = spec.qk_norm
-        self.hidden_act = getattr(config, "hidden_act", "silu")
-        if self.hidden_act not in ("silu", "swish"):
+        # Gemma names its activation `hidden_activation`
+        self.hidden_act = (getattr(config, "hidden_activation", None)
+                           or getattr(config, "hidden_act", None) or "silu")
+        if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.hidden_act!r}")
+        self.gemma_norm = spec.gemma_norm
+        self.embed_scale = self.hidden**0.5 if spec.embed_scale else None
+        scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma: the scale's own number
+        self.attn_scale = (scalar if scalar else self.head_dim) ** -0.5
+        self.attn_softcap = getattr(config, "attn_logit_softcapping", None) or None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
+        if getattr(config, "use_bidirectional_attention", False):  # embedding models (EmbeddingGemma)
+            raise NotImplementedError("use_bidirectional_attention: pagedllm serves causal decoders only")
+        packed = quant is not None and not (quant.method == "fp8" and quant.checkpoint_format == "float")
+        if spec.fused_checkpoint and packed:
+            # packed qkv_proj / gate_up_proj split along their output columns, not rows: untested
+            # (float rows quantized to FP8 at load split as float ones do)
+            raise NotImplementedError(f"quantized {architecture} checkpoints are not supported "
+                                      "(float weights only; quantization='fp8' at load works)")
         # transformers 5 moved partial_rotary_factor into rope_parameters
         rotary_pct = (getattr(config, "partial_rotary_factor", None)
                       or rope_parameters(config).get("partial_rotary_factor") or 1.0)
@@ -79,6 +104,10 @@ class ModelShape:
         self.rotary_interleaved = spec.rotary_interleaved or bool(getattr(config, "rotary_interleaved", False))
         self.alibi = bool(getattr(config, "alibi", False))
         self.layer_windows = sliding_windows(config)
+        # Per layer, whose rope it rotates with: its layer type where local and global
+        # layers have their own (Gemma 3), else None (one rope for all).
+        kinds = getattr(config, "layer_types", None) or [None] * self.num_layers
+        self.layer_rope = list(kinds) if per_layer_type_rope(config) else [None] * self.num_layers
         # Tensor parallelism: from here on num_heads / num_kv_heads / intermediate are this
         # rank's (what its KV cache and attention kernels see); the totals size the checkpoint.
         self.tp_size = tp = get_tp_world_size()
@@ -105,6 +134,14 @@ def sliding_windows(config) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in kinds]
 
 
+# config activation name -> elementwise function (gate side of the gated MLP)
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma
+}
+
+
 class Attention(nn.Module):
     def __init__(self, s: ModelShape, rotary: RotaryEmbedding, backend, window: int | None = None):
         super().__init__()
@@ -117,11 +154,16 @@ class Attention(nn.Module):
                                                  s.head_dim, s.qkv_bias, s.quant)
         self.o_proj = RowParallelLinear(s.total_num_heads * s.head_dim, s.hidden, s.o_bias, s.quant)
         if s.qk_norm:
-            self.q_norm = RMSNorm(s.head_dim, s.eps)
-            self.k_norm = RMSNorm(s.head_dim, s.eps)
+            self.q_norm = RMSNorm(s.head_dim, s.eps, gemma=s.gemma_norm)
+            self.k_norm = RMSNorm(s.head_dim, s.eps, gemma=s.gemma_norm)
         self.rotary = rotary
         self.backend = backend
-        self.scale = s.head_dim**-0.5
+        self.scale = s.attn_scale
+        # Only passed when set, so backends without soft-capping keep their signature.
+        self.extra = {"logits_soft_cap": s.attn_softcap} if s.attn_softcap else {}
+        if s.attn_softcap and not getattr(backend, "supports_softcap", False):
+            raise NotImplementedError(f"attention logit soft-capping (Gemma 2) needs an attention "
+                                      f"backend with it; {backend.name!r} has none")
         # An fp8 KV cache stores k / k_scale and v / v_scale (the checkpoint's, else 1.0).
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -145,14 +187,17 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                      sliding_window=self.window, k_scale=self.k_scale,
-                                     v_scale=self.v_scale)
+                                     v_scale=self.v_scale, **self.extra)
         else:
             slopes = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                     alibi_slopes=slopes, k_scale=self.k_scale, v_scale=self.v_scale)
+                                     alibi_slopes=slopes, k_scale=self.k_scale, v_scale=self.v_scale,
+                                     **self.extra)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
+# Fused checkpoint tensors (Phi-3): [q | k | v] rows and [gate | up] rows.
+_FUSED = re.compile(r"(.+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 # Per-layer fp8 KV-cache scales as checkpoints name them.
 _KV_SCALE = re.compile(r"(.+\.self_attn)\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale)$")
 
@@ -164,13 +209,15 @@ class MLP(nn.Module):
         full = s.total_intermediate
         self.gate_up_proj = ColumnParallelLinear(s.hidden, {"gate": full, "up": full}, s.mlp_bias, s.quant)
         self.down_proj = RowParallelLinear(full, s.hidden, s.mlp_bias, s.quant)
+        self.silu = s.hidden_act in ("silu", "swish")  # the fused kernel's activation
+        self.act = ACTIVATIONS[s.hidden_act]
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if fused_ops.available(gate_up):
+        if self.silu and fused_ops.available(gate_up):
             return self.down_proj(fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(batch_invariant.elementwise(F.silu, gate) * up)
+        return self.down_proj(batch_invariant.elementwise(self.act, gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -178,12 +225,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(s, rotary, backend, window)
         self.mlp = MLP(s)
-        self.input_layernorm = RMSNorm(s.hidden, s.eps)
-        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        g = s.gemma_norm
+        self.input_layernorm = RMSNorm(s.hidden, s.eps, gemma=g)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps, gemma=g)
         self.sandwich_norm = s.sandwich_norm
         if s.sandwich_norm:
-            self.post_self_attn_layernorm = RMSNorm(s.hidden, s.eps)
-            self.post_mlp_layernorm = RMSNorm(s.hidden, s.eps)
+            self.post_self_attn_layernorm = RMSNorm(s.hidden, s.eps, gemma=g)
+            self.post_mlp_layernorm = RMSNorm(s.hidden, s.eps, gemma=g)
 
     def forward(self, positions, x, residual, kv_cache, meta):
         if residual is None:
@@ -202,14 +250,22 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, s: ModelShape, rotary, backend):
+    def __init__(self, s: ModelShape, rotaries: dict[str | None, RotaryEmbedding], backend):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary, backend, w) for w in s.layer_windows)
-        self.norm = RMSNorm(s.hidden, s.eps)
+        self.layers = nn.ModuleList(DecoderLayer(s, rotaries[kind], backend, w)
+                                    for w, kind in zip(s.layer_windows, s.layer_rope, strict=True))
+        self.norm = RMSNorm(s.hidden, s.eps, gemma=s.gemma_norm)
+        self.embed_scale = s.embed_scale
+        self._embed_scales: dict[torch.dtype, float] = {}
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: sqrt(hidden) rounded to the dtype first, as HF
+            scale = self._embed_scales.get(x.dtype)
+            if scale is None:
+                scale = self._embed_scales[x.dtype] = float(torch.tensor(self.embed_scale, dtype=x.dtype))
+            x = x * scale
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, cache, meta)
@@ -218,7 +274,8 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2/Gemma3 and
+    Phi3ForCausalLM."""
 
     # checkpoint name fragment -> (our fused module fragment, shard)
     stacked_params = {
@@ -233,11 +290,15 @@ class LlamaForCausalLM(nn.Module):
                  quant: QuantConfig | None = None):
         super().__init__()
         self.shape = s = ModelShape(config, architecture, quant)
-        rotary = RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions,
-                                 interleaved=s.rotary_interleaved,
-                                 alibi_heads=s.total_num_heads if s.alibi else 0)
-        self.model = DecoderModel(s, rotary, backend)
-        self.rotary = rotary  # registered once, shared by every layer
+        # one rope table per kind of layer that has its own (Gemma 3 local/global), else one
+        rotaries = {kind: RotaryEmbedding(config, s.head_dim, s.rotary_dim, max_positions,
+                                          interleaved=s.rotary_interleaved,
+                                          alibi_heads=s.total_num_heads if s.alibi else 0,
+                                          layer_type=kind)
+                    for kind in dict.fromkeys(s.layer_rope)}
+        self.model = DecoderModel(s, rotaries, backend)
+        self.rotary = next(iter(rotaries.values()))  # registered once, shared by its layers
+        self.rotaries = nn.ModuleList(rotaries.values())  # every table the loader builds
         if not s.tie_embeddings:
             # A quantized head (GPTQModel's lm_head=true) is a linear layer split by output
             # rows, each rank's logits gathered; a float one is split by vocabulary rows
@@ -249,11 +310,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits on every rank (each rank computes its vocabulary slice)."""
+        """Full-vocabulary logits on every rank (each rank computes its vocabulary slice),
+        soft-capped to (-cap, cap) by cap * tanh(logits / cap) where the config says so (Gemma 2)."""
         if self.shape.tie_embeddings:  # the embedding's slice is the head's slice
-            return gather_logits(batch_invariant.linear(hidden, self.model.embed_tokens.weight),
-                                 self.shape.vocab)
-        return self.lm_head(hidden)
+            logits = gather_logits(batch_invariant.linear(hidden, self.model.embed_tokens.weight),
+                                   self.shape.vocab)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.shape.final_softcap
+        if cap:
+            logits = (batch_invariant.elementwise(torch.tanh, logits.float() / cap) * cap).to(logits.dtype)
+        return logits
 
     def load_weights(self, weights) -> None:
         """Fill parameters from (checkpoint name, tensor) pairs in HF naming. Sharded
@@ -264,7 +331,7 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self._checkpoint_names(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.shape.tie_embeddings:
@@ -305,6 +372,37 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
         for module in sharded.values():
             module.finish_loading()
+
+    def _checkpoint_names(self, weights):
+        """The architecture's checkpoint naming made ours (architectures.py): prefixes of
+        a multimodal wrapper mapped, parts not served skipped, fragments renamed, fused
+        q/k/v and gate/up tensors cut into their shards (rows, lazily: a rank reads only
+        its own part)."""
+        spec, s = self.shape.spec, self.shape
+        q, kv = s.total_num_heads * s.head_dim, s.total_num_kv_heads * s.head_dim
+        for name, tensor in weights:
+            if name.startswith(spec.ignore_prefixes):
+                continue
+            for old, new in spec.prefixes:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            for old, new in spec.renames:
+                if old in name:
+                    name = name.replace(old, new)
+                    break
+            if spec.fused_checkpoint and (m := _FUSED.match(name)):
+                base, kind, param = m[1], m[2], m[3]
+                if kind == "self_attn.qkv_proj":
+                    cuts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+                else:
+                    half = shape_of(tensor)[0] // 2
+                    cuts = {"gate_proj": (0, half), "up_proj": (half, 2 * half)}
+                for piece, (lo, hi) in cuts.items():
+                    owner = "self_attn" if kind == "self_attn.qkv_proj" else "mlp"
+                    yield f"{base}.{owner}.{piece}.{param}", rows(tensor, lo, hi)
+                continue
+            yield name, tensor
 
     def _checkpoint_target(self, name: str) -> tuple[str, str | None]:
         """(our parameter name, fused shard) of a checkpoint tensor: q/k/v and gate/up go
