@@ -160,3 +160,21 @@ def test_longrope_factor_set_follows_max_model_len(tiny_models):
 ])
 def test_model_max_positions(config, limit):
     assert model_max_positions(SimpleNamespace(**config)) == limit
+
+
+@pytest.mark.gpu
+def test_llama3_rope_past_32k_on_cuda_equals_hf(tiny_models):
+    """The GPU path (Triton kernels, CUDA graphs for the decodes) with a 33,000-token
+    prompt in float32: tokens and logprobs equal HF's at positions past 32k."""
+    import torch
+
+    path, hf = tiny_models("llama", rope_scaling=LLAMA3, max_position_embeddings=65536)
+    llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=4, dtype="float32", device="cuda")
+    prompt = long_prompt(5, 33000)
+    (got,) = greedy(llm, [prompt])
+    tokens, lps = got
+    with torch.device("cuda"):
+        ref_tokens, ref_lps = hf_greedy(hf.to("cuda"), prompt, MAX_NEW)
+    hf.to("cpu")
+    assert tokens == ref_tokens
+    assert lps == pytest.approx(ref_lps, abs=2e-3)

@@ -96,3 +96,26 @@ def test_fp8_write_rounds_as_torch():
     TorchPagedAttention.write_kv(k, v, caches[2], caches[3], slots.long(), 0.5, 2.0)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqs", [
+    [(1, 65536), (2048, 65536)],  # a decode and the last chunk of a 64k prompt
+    [(1, 1), (3000, 33001)],  # a chunk not aligned to pages after a long cached prefix
+    [(4097, 4097), (1, 70), (17, 40000)][::-1],
+], ids=["64k", "33k-unaligned", "mixed"])
+def test_triton_matches_torch_at_long_lengths(seqs):
+    """Lengths 1..65,536 with chunks ending anywhere in a page, in bf16 against the float32
+    reference (GQA 4, head 128, pages of 16)."""
+    if DEV != "cuda":
+        pytest.skip("long sequences need the GPU")
+    hq, hkv, dim, page = 16, 4, 128, 16
+    seqs = sorted(seqs, key=lambda s: s[0] != 1)
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, hq, hkv, dim, page,
+                                                                       torch.bfloat16)
+    q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
+    scale = dim**-0.5
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(hq // hkv), DEV)
+    ref = TorchPagedAttention.forward(q.float(), k.float(), v.float(), kc.float(), vc.float(), meta, scale)
+    out = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, scale)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
