@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long
+#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -13,7 +13,8 @@
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k;
-# long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt.
+# long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt;
+# spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -204,6 +205,14 @@ long)
     timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-128k \
         --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
     summary "$OUT"/gpu-long*.json
+    ;;
+spec)
+    # Speculation on at full load must cost nothing (the batch gate turns it off): gpu-7b
+    # with and without n-gram drafts, one after the other on the same card.
+    bench throughput --workload gpu-7b --output-json "$OUT/gpu-7b-nospec.json" 2>&1 | tail -2
+    bench throughput --workload gpu-7b --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' \
+        --output-json "$OUT/gpu-7b-ngram.json" 2>&1 | tail -2
+    summary "$OUT"/gpu-7b-nospec.json "$OUT"/gpu-7b-ngram.json
     ;;
 tests)
     timeout 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25

@@ -93,6 +93,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the weights at load (default: the workload's, else none)")
     e.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV page dtype (default: the workload's, else the model's dtype)")
+    e.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     e.add_argument("--disable-detokenize", action="store_true",
                    help="skip incremental detokenization (always skipped without a tokenizer)")
 
@@ -224,6 +226,8 @@ class EngineBackend:
             "tensor_parallel_size": args.tensor_parallel_size,
             "skip_tokenizer_init": args.disable_detokenize or not _has_tokenizer(cfg),
         }
+        if getattr(args, "speculative_config", None):
+            kwargs["speculative_config"] = args.speculative_config
         if cfg.quantization is not None:
             kwargs["quantization"] = cfg.quantization
         if cfg.kv_cache_dtype != "auto":
@@ -261,8 +265,13 @@ class EngineBackend:
         return elapsed
 
     def info(self) -> dict:
-        return {"async_scheduling": self.llm.engine.async_scheduling,
+        info = {"async_scheduling": self.llm.engine.async_scheduling,
                 "batch_invariant": bool(self.llm.engine.config.batch_invariant)}
+        stats = self.llm.engine.stats()
+        if stats.spec_num_drafts:
+            info["spec_decode"] = {"drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens,
+                                   "accepted_tokens": stats.spec_num_accepted_tokens}
+        return info
 
     def close(self) -> None:
         self.llm.engine.shutdown()  # tensor-parallel workers exit (in-process: nothing to do)
