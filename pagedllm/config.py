@@ -7,7 +7,6 @@ keyword arguments through the next.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -366,14 +365,10 @@ class EngineConfig:
         if asyn is None:  # overlap needs a device that computes apart from the host
             asyn = kind == "cuda" and one_device
         spec = self.speculative_config
-        if spec is not None:
-            if spec.max_batch_size is None:
-                spec = replace(spec, max_batch_size=DEFAULT_SPEC_MAX_BATCH.get(kind, 4))
-            if asyn:
-                # Drafts are proposed from every token sampled so far, on the host: the
-                # next step cannot be laid out before this one is read.
-                logging.getLogger(__name__).info("speculative decoding: async scheduling turned off")
-                asyn = False
+        if spec is not None and spec.max_batch_size is None:
+            spec = replace(spec, max_batch_size=DEFAULT_SPEC_MAX_BATCH.get(kind, 4))
+        # With speculation and async scheduling, the core overlaps steps only while the
+        # batch is too large for drafts (EngineCore.step): drafts need every sampled token.
         invariant = self.batch_invariant
         if invariant is None:
             flag = os.environ.get("PAGEDLLM_BATCH_INVARIANT", "").strip().lower()

@@ -52,7 +52,7 @@ def test_a_model_means_method_draft_model():
     assert SpeculativeConfig.from_value({}).method == "ngram"
 
 
-def test_config_from_dict_json_and_flag_turns_async_off(tiny_models):
+def test_config_from_dict_json_and_flag(tiny_models):
     path, hf = tiny_models("llama")
     c = EngineConfig(model=path, speculative_config=SPEC)
     assert c.speculative_config == SpeculativeConfig(**SPEC)
@@ -61,7 +61,7 @@ def test_config_from_dict_json_and_flag_turns_async_off(tiny_models):
     with pytest.raises(ValueError, match="JSON"):
         EngineConfig(model=path, speculative_config="{nope")
     resolved = EngineConfig(model=path, speculative_config=SPEC, async_scheduling=True).resolve(hf.config, False)
-    assert resolved.async_scheduling is False
+    assert resolved.async_scheduling is True  # overlapped while the batch gate is closed
     default = EngineConfig(model=path, speculative_config={"method": "ngram"}).resolve(hf.config, False)
     assert default.speculative_config.max_batch_size == 4  # the CPU's: compute bound early
     args = make_arg_parser().parse_args(["--model", path, "--speculative-config",
@@ -141,6 +141,36 @@ def test_greedy_outputs_equal_the_target_and_drafts_are_accepted(pair):
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks  # every block back
+
+
+def test_async_scheduling_overlaps_while_the_gate_is_closed(tiny_models):
+    """Async scheduling stays on: a step that may carry drafts waits for the step before
+    it, a verified step is read before the next is laid out, and steps of a batch too
+    large for drafts overlap as without speculation. Same tokens as the plain engine."""
+    path, _ = tiny_models("llama")
+    base = make(path, None)
+    spec = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+               max_num_batched_tokens=24, enable_prefix_caching=True, seed=0, async_scheduling=True,
+               speculative_config={**SPEC, "max_batch_size": 2})
+    assert spec.engine.async_scheduling
+    core = spec.engine.core
+    overlapped = []
+    real_step = core.step
+
+    def step():
+        out = real_step()
+        overlapped.append(core._inflight is not None)
+        return out
+
+    core.step = step
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)]
+    for prompts in (PROMPTS, [PROMPTS[1], PROMPTS[3]]):  # 5 decoding (no drafts), then 2
+        for p in params:
+            assert tokens(spec.generate(prompts, p)) == tokens(base.generate(prompts, p))
+    stats = spec.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0
+    assert any(overlapped) and not all(overlapped)
 
 
 def test_again_with_a_warm_prefix_cache_and_n(pair):

@@ -196,6 +196,13 @@ class Scheduler:
         return (req.num_computed_tokens < req.num_prompt_tokens
                 or req.num_computed_tokens + 1 < req.num_tokens)
 
+    def may_speculate(self) -> bool:
+        """Whether the next step may propose drafts (the proposer's batch gate is open).
+        Drafts need every sampled token on the host, so with async scheduling the core
+        reads the step in flight before scheduling such a step, and overlaps otherwise."""
+        return self.proposer is not None and self.proposer.enabled_for_batch(
+            sum(1 for r in self.running if not self._prefilling(r)))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
@@ -207,8 +214,7 @@ class Scheduler:
         decoding = any(not self._prefilling(r) and self._to_compute(r) for r in self.running)
         prefill_left = cap if cap and decoding else budget
 
-        speculate = self.proposer is not None and self.proposer.enabled_for_batch(
-            sum(1 for r in self.running if not self._prefilling(r)))
+        speculate = self.may_speculate()
         drafts: dict[str, list[int]] = {}
 
         i = 0

@@ -286,7 +286,8 @@ class EngineCore:
         constrained = self._constrained()
         split = (constrained and self.async_scheduling
                  and getattr(self.executor, "supports_deferred_sampling", False))
-        if prev is not None and (self._penalized or (constrained and not split)):
+        if prev is not None and (self._penalized or (constrained and not split)
+                                 or self.scheduler.may_speculate()):
             outputs += self._complete(*prev)
             prev = None
         so = self.scheduler.schedule()
@@ -313,6 +314,10 @@ class EngineCore:
             raise StepError(self._live_ids(so)) from e
         if not self.async_scheduling:
             return outputs + self._process(so, handle)
+        if any(c.draft_token_ids for c in so.chunks):
+            # A verified step's token count is known only once it is read: nothing can be
+            # laid out behind it (the step before it was read before it was scheduled).
+            return outputs + self._complete(so, handle)
         if so.is_empty:
             handle.result()
         else:
