@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.model_executor.models.deepseek import DeepseekForCausalLM
 from pagedllm.model_executor.models.glm import GlmForCausalLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
@@ -15,6 +16,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": GlmForCausalLM,
     **{arch: MoeForCausalLM for arch in MOE_ARCHITECTURES},
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention + MoE
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     # remote-code checkpoints, read without running their code (models/remote_code.py)
     **{arch: RemoteCodeForCausalLM for arch in REMOTE_CODE_FAMILY},
 }

@@ -45,6 +45,9 @@ class ArchSpec:
     # Interleaved-pair rotary (GPT-J style) on `partial_rotary_factor` of the head (GLM).
     rotary_interleaved: bool = False
     moe: MoeSpec | None = None
+    # Multi-head latent attention and DeepSeek routing (models/deepseek.py): the config's
+    # MLA ranks, expert counts and routing method say the rest.
+    mla: bool = False
 
 
 LLAMA = ArchSpec()
@@ -62,6 +65,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                                weights_in_fp32=True)),
     "Qwen2MoeForCausalLM": ArchSpec(moe=_QWEN_MOE),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe=_QWEN_MOE),
+    # rope on interleaved pairs (V3: unless the config's rope_interleave says otherwise)
+    "DeepseekV2ForCausalLM": ArchSpec(mla=True, rotary_interleaved=True),
+    "DeepseekV3ForCausalLM": ArchSpec(mla=True, rotary_interleaved=True),
     # remote-code checkpoints (models/remote_code.py): switches come with the translated config
     "InternLMForCausalLM": LLAMA,
     "InternLM2ForCausalLM": LLAMA,

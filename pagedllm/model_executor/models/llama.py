@@ -27,6 +27,7 @@ from torch import nn
 
 from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.page_spec import PageSpec, common_page_spec
 from pagedllm.distributed import get_tp_rank, get_tp_world_size
 from pagedllm.model_executor.layers import fused_ops
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -122,6 +123,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = s.head_dim**-0.5
+        # what a token costs in this layer's pages: K and V of this rank's KV heads
+        self.page_spec = PageSpec.full_kv(s.num_kv_heads, s.head_dim)
         # An fp8 KV cache stores k / k_scale and v / v_scale (the checkpoint's, else 1.0).
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -202,10 +205,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, s: ModelShape, rotary, backend):
+    def __init__(self, s: ModelShape, rotary, backend, layers: list[nn.Module] | None = None):
+        """`layers`: decoder layers of another kind (models/deepseek.py), else Llama's."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotary, backend, w) for w in s.layer_windows)
+        if layers is None:
+            layers = [DecoderLayer(s, rotary, backend, w) for w in s.layer_windows]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(s.hidden, s.eps)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -244,6 +250,11 @@ class LlamaForCausalLM(nn.Module):
             # like the embedding (padded, layers/parallel.py).
             self.lm_head = (ColumnParallelLinear(s.hidden, s.vocab, False, quant, gather_output=True)
                             if quant and quant.lm_head else ParallelLMHead(s.vocab, s.hidden))
+
+    @property
+    def page_spec(self) -> PageSpec:
+        """What one token costs in the page pool, as the attention layers say."""
+        return common_page_spec(layer.self_attn.page_spec for layer in self.model.layers)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

@@ -1,0 +1,259 @@
+"""DeepSeek-V2 / V2-Lite / V3 (multi-head latent attention + DeepSeek MoE) generate what
+transformers generates (greedy tokens equal, logprobs close) on tiny random models, through
+block boundaries, chunked prefill and prefix caching; the page pool holds the latent, not
+K and V per head; the absorbed decode equals the decompressed computation."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hf_models import hf_greedy
+from paged_batch import paged_meta
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.mla import mla_forward
+from pagedllm.model_executor.models.deepseek import DeepseekMoe, MlaAttention
+
+MAX_NEW = 8
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=256, max_position_embeddings=512, kv_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+            rope_parameters=YARN)
+VARIANTS = {
+    # DeepSeek-V2: q through its low-rank bottleneck, experts chosen within the best groups
+    "v2": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                               routed_scaling_factor=1.5)),
+    # DeepSeek-V2-Lite: q_proj straight from the hidden states, greedy top-k
+    "v2-lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy")),
+    # DeepSeek-V3: sigmoid scores + correction bias, grouped (noaux_tc), renormalised, scaled;
+    # YaRN with mscale != mscale_all_dim (cos/sin scaled too); two dense layers
+    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
+                               routed_scaling_factor=2.5, first_k_dense_replace=2, num_hidden_layers=4,
+                               rope_parameters={**YARN, "mscale": 1.0})),
+}
+
+
+def _save(path: str, variant: str, seed: int = 0):
+    """A random HF model in float32, weights wide enough that greedy choices are far from
+    ties (experts and the V3 correction bias too), saved as save_pretrained writes it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = VARIANTS[variant]
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**TINY, **extra})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            path = str(tmp_path_factory.mktemp(variant))
+            cache[variant] = (path, _save(path, variant))
+        return cache[variant]
+
+    return get
+
+
+def _prompts(seed: int, n: int, prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(prefix)]
+    return [shared + [rng.randrange(256) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+
+
+def _run(llm: LLM, prompts):
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=1, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    res = [(o.outputs[0].token_ids, [d[t].logprob for d, t in zip(o.outputs[0].logprobs,
+                                                                   o.outputs[0].token_ids, strict=True)])
+           for o in outs]
+    return res, [o.num_cached_tokens for o in outs]
+
+
+_REFERENCE: dict = {}  # (HF model, prompt) -> its greedy tokens and logprobs, computed once
+
+
+def _matches(results, hf, prompts) -> bool:
+    for p, (toks, lps) in zip(prompts, results, strict=True):
+        key = (id(hf), tuple(p))
+        if key not in _REFERENCE:
+            _REFERENCE[key] = hf_greedy(hf, p, MAX_NEW)
+        ref_toks, ref_lps = _REFERENCE[key]
+        if toks != ref_toks or lps != pytest.approx(ref_lps, abs=1e-4):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parity_chunked_prefill_and_prefix_caching(deepseek, variant):
+    """Blocks of 4 tokens, a 24-token budget (prompts of up to 52 tokens prefill in chunks,
+    beside decodes), then the same prompts again: their shared 12-token prefix and whole
+    prompts come from cached latent pages."""
+    path, hf = deepseek(variant)
+    prompts = _prompts(1, 4, prefix=12)
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=160,
+              max_num_batched_tokens=24, enable_prefix_caching=True)
+    first, _ = _run(llm, prompts)
+    assert _matches(first, hf, prompts)
+    again, cached = _run(llm, prompts[::-1])
+    assert all(c >= 12 for c in cached)
+    for (t1, l1), (t2, l2) in zip(again, first[::-1], strict=True):  # as computed without the cache
+        assert t1 == t2
+        assert l1 == pytest.approx(l2, abs=1e-5)
+    model = llm.engine.executor.model
+    moe = [m for m in model.modules() if isinstance(m, DeepseekMoe)]
+    assert len(moe) == len(model.model.layers) - hf.config.first_k_dense_replace
+
+
+def test_routing_and_softmax_scale_are_seen(deepseek):
+    """The checks are sharp enough to see V3's correction bias and YaRN's mscale_all_dim
+    correction of the softmax scale: without either, the result differs."""
+    path, hf = deepseek("v3")
+    prompts = _prompts(1, 4, prefix=12)[:2]  # the parity test's: their reference is known
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    model = llm.engine.executor.model
+    assert _matches(_run(llm, prompts)[0], hf, prompts)
+    biases = [m.gate.e_score_correction_bias for m in model.modules() if isinstance(m, DeepseekMoe)]
+    kept = [b.detach().clone() for b in biases]
+    with torch.no_grad():
+        for b in biases:
+            b.zero_()
+    assert not _matches(_run(llm, prompts)[0], hf, prompts)
+    with torch.no_grad():
+        for b, k in zip(biases, kept, strict=True):
+            b.copy_(k)
+    shape = next(m for m in model.modules() if isinstance(m, MlaAttention)).s  # shared by every layer
+    assert shape.scale != pytest.approx((16 + 8) ** -0.5)
+    shape.scale = (16 + 8) ** -0.5
+    assert not _matches(_run(llm, prompts)[0], hf, prompts)
+
+
+def test_page_pool_holds_the_latent(deepseek):
+    """One tensor a layer of kv_lora_rank + qk_rope_head_dim values a token (the engine),
+    and for a DeepSeek-V2-Lite-shaped config about 9x fewer bytes a token than full K and V
+    of its 16 heads would take (`pagedllm plan`, no weights loaded)."""
+    from pagedllm.entrypoints.bench_workloads import DEEPSEEK_V2_LITE_CONFIG, write_arch_config
+    from pagedllm.entrypoints.plan import plan_rows
+
+    path, hf = deepseek("v2-lite")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=16)
+    runner = llm.engine.executor.runner
+    c = hf.config
+    assert [tuple(p.shape) for p in runner.kv_caches[0]] == [(16, 4, c.kv_lora_rank + c.qk_rope_head_dim)]
+    assert runner.bytes_per_block == 4 * c.num_hidden_layers * (32 + 8) * 4  # float32
+    assert llm.engine.core.describe()["kv_bytes_per_token"] == c.num_hidden_layers * 40 * 4
+
+    info, rows = plan_rows(write_arch_config(DEEPSEEK_V2_LITE_CONFIG), kv_cache_memory=1 << 30,
+                           load_format="dummy")
+    assert info["kv_pages"] == "mla-latent [576] per layer"
+    bf16 = next(r for r in rows if r.format == "bfloat16")
+    assert bf16.kv_bytes_per_token == 27 * (512 + 64) * 2
+    full_kv = 27 * 16 * ((128 + 64) + 128) * 2  # K of 192 and V of 128 values, every head
+    assert 8.5 < full_kv / bf16.kv_bytes_per_token < 9.5
+
+
+def _latent_batch(seqs, heads, rank, rope, page, dtype, seed=0):
+    """Random MLA inputs over scattered latent pages; seqs: (q_len, ctx_len), decodes first."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    total = sum(-(-c // page) for _, c in seqs) + 2
+    perm = rng.permutation(total)
+    tables = np.zeros((len(seqs), max(-(-c // page) for _, c in seqs)), dtype=np.int32)
+    slots, q_start, rows, used = [], [], 0, 0
+    for i, (ql, ctx) in enumerate(seqs):
+        nb = -(-ctx // page)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+        pos = np.arange(ctx - ql, ctx)
+        slots += (tables[i, pos // page].astype(np.int64) * page + pos % page).tolist()
+        q_start.append(rows)
+        rows += ql
+    cache = torch.randn(total, page, rank + rope, generator=g).to(dtype)
+    dn, dv = 16, 12
+    args = dict(q_nope=torch.randn(rows, heads, dn, generator=g).to(dtype),
+                q_pe=torch.randn(rows, heads, rope, generator=g).to(dtype),
+                latent=torch.randn(rows, rank + rope, generator=g).to(dtype),
+                w_uk=(0.2 * torch.randn(heads, dn, rank, generator=g)).to(dtype),
+                w_uv=(0.2 * torch.randn(heads, dv, rank, generator=g)).to(dtype))
+    ql = np.array([s[0] for s in seqs])
+    ctx = np.array([s[1] for s in seqs])
+    return cache, args, (tables, np.array(slots), np.array(q_start), ql, ctx)
+
+
+def test_absorbed_decode_equals_decompressed_attention():
+    """Decodes (W_UK absorbed into the query, W_UV after the sum over latents) equal the
+    same single-token sequences computed as prefill chunks, which decompress the cached
+    latents into per-head keys and values."""
+    seqs = [(1, 5), (1, 17), (1, 2), (1, 33)]
+    cache, args, (tables, slots, q_start, ql, ctx) = _latent_batch(seqs, 4, 32, 8, 4, torch.float32)
+    outs = []
+    for nd in (len(seqs), 0):  # as decodes, then as one-token prefill chunks
+        meta = paged_meta(tables, slots, q_start, ql, ctx, nd, 16)
+        meta.slot_mapping = meta.slot_mapping.long()
+        outs.append(mla_forward(cache=cache.clone(), meta=meta, scale=0.3, **args))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_latent_pages():
+    """An fp8 cache stores the latent in e4m3 (scale 1): attention over it equals attention
+    over a float cache holding the same rounded values; the pool takes one byte a value."""
+    seqs = [(1, 9), (1, 4), (6, 6), (5, 13)]
+    cache, args, (tables, slots, q_start, ql, ctx) = _latent_batch(seqs, 4, 32, 8, 4, torch.float32)
+    args["latent"] = args["latent"].to(torch.float8_e4m3fn).float()  # exactly representable
+    fp8 = cache.to(torch.float8_e4m3fn)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, 2, 16)
+    got = mla_forward(cache=fp8, meta=meta, scale=0.3, **args)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, 2, 16)
+    want = mla_forward(cache=fp8.float(), meta=meta, scale=0.3, **args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fp8.float().view(-1, 40)[torch.as_tensor(slots)], args["latent"])
+
+
+def test_tp2_equals_tp1(deepseek):
+    """Heads (q, kv_b, o) and experts split over two ranks (gloo on CPU)."""
+    path, _ = deepseek("v2")
+    prompts = _prompts(3, 2)
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=64, max_model_len=64, block_size=4)
+    want, _ = _run(LLM(path, **kw), prompts)
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        got, _ = _run(llm, prompts)
+    finally:
+        llm.engine.shutdown()
+    for (t1, l1), (t2, l2) in zip(want, got, strict=True):
+        assert t1 == t2
+        assert l1 == pytest.approx(l2, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_cuda_matches_hf(deepseek, variant):
+    """On CUDA (fused MoE kernels, MLA decode eager: not graph-captured) in float32."""
+    path, hf = deepseek(variant)
+    prompts = _prompts(4, 6, prefix=12)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda", num_kv_blocks=256,
+              block_size=16, max_num_batched_tokens=32, enable_prefix_caching=True)
+    assert llm.engine.executor.runner.graphs is None
+    for _ in range(2):
+        res, _ = _run(llm, prompts)
+        for p, (toks, lps) in zip(prompts, res, strict=True):
+            ref_toks, ref_lps = hf_greedy(hf, p, MAX_NEW)
+            assert toks == ref_toks
+            assert lps == pytest.approx(ref_lps, abs=1e-3)
