@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 from hf_models import hf_greedy
-from paged_batch import paged_meta
+from paged_batch import latent_batch, paged_meta
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.mla import mla_forward
@@ -169,40 +168,12 @@ def test_page_pool_holds_the_latent(deepseek):
     assert 8.5 < full_kv / bf16.kv_bytes_per_token < 9.5
 
 
-def _latent_batch(seqs, heads, rank, rope, page, dtype, seed=0):
-    """Random MLA inputs over scattered latent pages; seqs: (q_len, ctx_len), decodes first."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    total = sum(-(-c // page) for _, c in seqs) + 2
-    perm = rng.permutation(total)
-    tables = np.zeros((len(seqs), max(-(-c // page) for _, c in seqs)), dtype=np.int32)
-    slots, q_start, rows, used = [], [], 0, 0
-    for i, (ql, ctx) in enumerate(seqs):
-        nb = -(-ctx // page)
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
-        pos = np.arange(ctx - ql, ctx)
-        slots += (tables[i, pos // page].astype(np.int64) * page + pos % page).tolist()
-        q_start.append(rows)
-        rows += ql
-    cache = torch.randn(total, page, rank + rope, generator=g).to(dtype)
-    dn, dv = 16, 12
-    args = dict(q_nope=torch.randn(rows, heads, dn, generator=g).to(dtype),
-                q_pe=torch.randn(rows, heads, rope, generator=g).to(dtype),
-                latent=torch.randn(rows, rank + rope, generator=g).to(dtype),
-                w_uk=(0.2 * torch.randn(heads, dn, rank, generator=g)).to(dtype),
-                w_uv=(0.2 * torch.randn(heads, dv, rank, generator=g)).to(dtype))
-    ql = np.array([s[0] for s in seqs])
-    ctx = np.array([s[1] for s in seqs])
-    return cache, args, (tables, np.array(slots), np.array(q_start), ql, ctx)
-
-
 def test_absorbed_decode_equals_decompressed_attention():
     """Decodes (W_UK absorbed into the query, W_UV after the sum over latents) equal the
     same single-token sequences computed as prefill chunks, which decompress the cached
     latents into per-head keys and values."""
     seqs = [(1, 5), (1, 17), (1, 2), (1, 33)]
-    cache, args, (tables, slots, q_start, ql, ctx) = _latent_batch(seqs, 4, 32, 8, 4, torch.float32)
+    cache, args, (tables, slots, q_start, ql, ctx) = latent_batch(seqs, 4, 32, 8, 4, torch.float32)
     outs = []
     for nd in (len(seqs), 0):  # as decodes, then as one-token prefill chunks
         meta = paged_meta(tables, slots, q_start, ql, ctx, nd, 16)
@@ -215,7 +186,7 @@ def test_fp8_latent_pages():
     """An fp8 cache stores the latent in e4m3 (scale 1): attention over it equals attention
     over a float cache holding the same rounded values; the pool takes one byte a value."""
     seqs = [(1, 9), (1, 4), (6, 6), (5, 13)]
-    cache, args, (tables, slots, q_start, ql, ctx) = _latent_batch(seqs, 4, 32, 8, 4, torch.float32)
+    cache, args, (tables, slots, q_start, ql, ctx) = latent_batch(seqs, 4, 32, 8, 4, torch.float32)
     args["latent"] = args["latent"].to(torch.float8_e4m3fn).float()  # exactly representable
     fp8 = cache.to(torch.float8_e4m3fn)
     meta = paged_meta(tables, slots, q_start, ql, ctx, 2, 16)
@@ -244,16 +215,36 @@ def test_tp2_equals_tp1(deepseek):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_cuda_matches_hf(deepseek, variant):
-    """On CUDA (fused MoE kernels, MLA decode eager: not graph-captured) in float32."""
+def test_cuda_matches_hf_with_and_without_graphs(deepseek, variant):
+    """On CUDA in float32: fused MoE kernels, Triton MLA decodes replayed from CUDA graphs
+    (and eagerly), prefills decompressing in torch; both agree with transformers."""
     path, hf = deepseek(variant)
     prompts = _prompts(4, 6, prefix=12)
-    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda", num_kv_blocks=256,
-              block_size=16, max_num_batched_tokens=32, enable_prefix_caching=True)
-    assert llm.engine.executor.runner.graphs is None
-    for _ in range(2):
-        res, _ = _run(llm, prompts)
-        for p, (toks, lps) in zip(prompts, res, strict=True):
-            ref_toks, ref_lps = hf_greedy(hf, p, MAX_NEW)
-            assert toks == ref_toks
-            assert lps == pytest.approx(ref_lps, abs=1e-3)
+    runs = []
+    for eager in (False, True):
+        llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda", num_kv_blocks=256,
+                  block_size=16, max_num_batched_tokens=32, enable_prefix_caching=True, enforce_eager=eager,
+                  max_num_seqs=16)
+        assert (llm.engine.executor.runner.graphs is None) == eager
+        for _ in range(2):  # the second time from cached pages
+            res, _ = _run(llm, prompts)
+            assert _matches(res, hf, prompts)
+        runs.append([t for t, _ in res])
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_fp8_pages_run(deepseek):
+    """bf16 weights over fp8 latent pages: the pool takes half the bytes and greedy
+    decoding still follows the float32 reference on its first token."""
+    path, hf = deepseek("v2-lite")
+    prompts = _prompts(5, 4)
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", device="cuda", num_kv_blocks=128,
+              kv_cache_dtype="fp8")
+    runner = llm.engine.executor.runner
+    assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    assert runner.bytes_per_block == 16 * hf.config.num_hidden_layers * 40
+    res, _ = _run(llm, prompts)
+    firsts = [t[0] for t, _ in res]
+    refs = [hf_greedy(hf, p, 1)[0][0] for p in prompts]
+    assert sum(a == b for a, b in zip(firsts, refs, strict=True)) >= 3

@@ -16,6 +16,10 @@ W_UK / W_UV the two halves of the layer's kv_b_proj.
   cheap: one latent read per cached token, shared by every head.
 
 An fp8 cache stores the latent in e4m3 with scale 1 (no checkpoint ships MLA scales).
+
+With `kernels` (the engine runs the Triton attention backend) and a CUDA cache, the latent
+write and the decodes run in Triton (attention/mla_triton.py): nothing then reads the host
+for a decode-only step, which CUDA graphs capture. Prefill chunks stay in torch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import mla_triton
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import _decode_groups, dequantize, is_fp8, quantize_fp8
 
@@ -45,14 +50,16 @@ def mla_forward(
     scale: float,
     w_uk: torch.Tensor,  # [H, dn, r]
     w_uv: torch.Tensor,  # [H, dv, r]
+    kernels: bool = False,  # Triton for the write and the decodes, on CUDA
 ) -> torch.Tensor:
     """Attention output [T, H, dv] (before o_proj); writes the step's latents first."""
-    write_latent(latent, cache, meta.slot_mapping)
+    kernels = kernels and mla_triton.available(cache)
+    (mla_triton.write_latent if kernels else write_latent)(latent, cache, meta.slot_mapping)
     heads, dv, rank = w_uv.shape
     out = q_nope.new_empty(q_nope.shape[0], heads, dv)
     nd = meta.num_decode
     if nd:
-        out[:nd] = _decode_absorbed(q_nope[:nd], q_pe[:nd], cache, meta, scale, w_uk, w_uv)
+        out[:nd] = _decode_absorbed(q_nope[:nd], q_pe[:nd], cache, meta, scale, w_uk, w_uv, kernels)
     bs = cache.shape[1]
     for i in range(nd, meta.num_seqs):
         start, qlen, ctx = (int(meta.host_q_start[i]), int(meta.host_q_len[i]), int(meta.host_ctx_len[i]))
@@ -77,12 +84,15 @@ def mla_forward(
     return out
 
 
-def _decode_absorbed(q_nope, q_pe, cache, meta, scale, w_uk, w_uv) -> torch.Tensor:
+def _decode_absorbed(q_nope, q_pe, cache, meta, scale, w_uk, w_uv, kernels: bool = False) -> torch.Tensor:
     """Single-token sequences: scores and the weighted sum over the latent pages directly,
     W_UK absorbed into the query and W_UV applied after (see the module docstring)."""
     nd = q_nope.shape[0]
     heads, dv, rank = w_uv.shape
     q = torch.cat((torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe), dim=-1)  # [nd, H, r + dr]
+    if kernels:
+        o_lat = mla_triton.decode(q, cache, meta.block_tables[:nd], meta.ctx_len[:nd], scale, rank)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
     o_lat = q.new_empty(nd, heads, rank)
     bs, width = cache.shape[1:]
     for rows, nblk in _decode_groups(meta, bs):

@@ -93,9 +93,10 @@ class MlaShape(ModelShape):
 
 
 class MlaAttention(nn.Module):
-    def __init__(self, s: MlaShape, rotary: RotaryEmbedding):
+    def __init__(self, s: MlaShape, rotary: RotaryEmbedding, kernels: bool = False):
         super().__init__()
         self.s = s
+        self.kernels = kernels  # Triton latent write and decode (attention/mla_triton.py) on CUDA
         h0, nh = s.head_start, s.num_heads
 
         def by_heads(in_features: int, per_head: int) -> ColumnParallelLinear:
@@ -133,7 +134,7 @@ class MlaAttention(nn.Module):
         # kv_b_proj's rows, per head: qk_nope_head_dim of W_UK then v_head_dim of W_UV
         w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
         w_uk, w_uv = w.split([s.qk_nope_head_dim, s.v_head_dim], dim=1)
-        o = mla_forward(q_nope, q_pe, latent, kv_cache[0], meta, s.scale, w_uk, w_uv)
+        o = mla_forward(q_nope, q_pe, latent, kv_cache[0], meta, s.scale, w_uk, w_uv, self.kernels)
         return self.o_proj(o.reshape(t, s.num_heads * s.v_head_dim))
 
 
@@ -188,9 +189,9 @@ def _mlp_shape(s: MlaShape, intermediate: int) -> ModelShape:
 
 
 class MlaDecoderLayer(nn.Module):
-    def __init__(self, s: MlaShape, rotary, mlp: nn.Module):
+    def __init__(self, s: MlaShape, rotary, mlp: nn.Module, kernels: bool = False):
         super().__init__()
-        self.self_attn = MlaAttention(s, rotary)
+        self.self_attn = MlaAttention(s, rotary, kernels)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
@@ -220,19 +221,22 @@ class DeepseekForCausalLM(MoeForCausalLM):
         ".gate_proj.": (".gate_up_proj.", "gate"),
         ".up_proj.": (".gate_up_proj.", "up"),
     }
-    # Decodes gather pages by host-known lengths (attention/mla.py): not capturable.
-    graph_safe = False
 
     def __init__(self, config, architecture: str, max_positions: int, backend, quant=None):
         if quant is not None:
             raise ValueError(f"quantized {architecture} checkpoints are not supported "
                              "(float weights only)")
         nn.Module.__init__(self)
+        # With the Triton attention backend (CUDA), the MLA decodes and latent writes run in
+        # Triton too and read nothing from the host: decode steps can be CUDA graphs. With
+        # the torch one, decodes gather pages by host-known lengths: not capturable.
+        self.graph_safe = bool(getattr(backend, "graph_safe", False))
         self.shape = s = MlaShape(config, architecture)
         rotary = RotaryEmbedding(config, s.qk_rope_head_dim, s.qk_rope_head_dim, max_positions,
                                  interleaved=s.rotary_interleaved)
         self.model = DecoderModel(s, rotary, backend, [
-            MlaDecoderLayer(s, rotary, DeepseekMoe(s, config) if is_moe_layer(config, i) else MLP(s))
+            MlaDecoderLayer(s, rotary, DeepseekMoe(s, config) if is_moe_layer(config, i) else MLP(s),
+                            kernels=self.graph_safe)
             for i in range(s.num_layers)])
         self.rotary = rotary
         if not s.tie_embeddings:
