@@ -14,9 +14,9 @@ from paged_batch import latent_batch, paged_meta
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.mla import mla_forward
-from pagedllm.model_executor.models.deepseek import DeepseekMoe, MlaAttention
+from pagedllm.model_executor.models.deepseek import DeepseekForCausalLM, DeepseekMoe, MlaAttention
 
-MAX_NEW = 8
+MAX_NEW = 6
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -106,7 +106,7 @@ def test_parity_chunked_prefill_and_prefix_caching(deepseek, variant):
     beside decodes), then the same prompts again: their shared 12-token prefix and whole
     prompts come from cached latent pages."""
     path, hf = deepseek(variant)
-    prompts = _prompts(1, 4, prefix=12)
+    prompts = _prompts(1, 3, prefix=12)
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=160,
               max_num_batched_tokens=24, enable_prefix_caching=True)
     first, _ = _run(llm, prompts)
@@ -125,7 +125,7 @@ def test_routing_and_softmax_scale_are_seen(deepseek):
     """The checks are sharp enough to see V3's correction bias and YaRN's mscale_all_dim
     correction of the softmax scale: without either, the result differs."""
     path, hf = deepseek("v3")
-    prompts = _prompts(1, 4, prefix=12)[:2]  # the parity test's: their reference is known
+    prompts = _prompts(1, 3, prefix=12)[:2]  # the parity test's: their reference is known
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
     model = llm.engine.executor.model
     assert _matches(_run(llm, prompts)[0], hf, prompts)
@@ -195,6 +195,14 @@ def test_fp8_latent_pages():
     want = mla_forward(cache=fp8.float(), meta=meta, scale=0.3, **args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(fp8.float().view(-1, 40)[torch.as_tensor(slots)], args["latent"])
+
+
+def test_unsupported_modes_fail_clearly(deepseek):
+    path, hf = deepseek("v2-lite")
+    with pytest.raises(NotImplementedError, match="batch-invariant mode has no multi-head latent"):
+        LLM(model=path, skip_tokenizer_init=True, num_kv_blocks=16, batch_invariant=True)
+    with pytest.raises(ValueError, match="quantized DeepseekV2ForCausalLM checkpoints are not supported"):
+        DeepseekForCausalLM(hf.config, "DeepseekV2ForCausalLM", 64, None, quant=object())
 
 
 def test_tp2_equals_tp1(deepseek):

@@ -26,7 +26,8 @@ heads, o_proj by input), the latent projections replicated, so every rank's page
 the same latents for its own heads to read; experts split as in models/moe.py.
 
 Not served: quantized checkpoints (the absorbed decode reads kv_b_proj as float), V3's
-multi-token-prediction layer (its tensors are skipped: it only drafts).
+multi-token-prediction layer (its tensors are skipped: it only drafts), the
+batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ class DeepseekForCausalLM(MoeForCausalLM):
         if quant is not None:
             raise ValueError(f"quantized {architecture} checkpoints are not supported "
                              "(float weights only)")
+        if getattr(backend, "name", "") in ("batch_invariant", "triton_invariant"):
+            raise NotImplementedError(f"{architecture}: the batch-invariant mode has no multi-head "
+                                      "latent attention (its decodes are batched by length)")
         nn.Module.__init__(self)
         # With the Triton attention backend (CUDA), the MLA decodes and latent writes run in
         # Triton too and read nothing from the host: decode steps can be CUDA graphs. With
