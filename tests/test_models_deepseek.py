@@ -9,7 +9,8 @@ import random
 
 import pytest
 import torch
-from hf_models import hf_greedy
+from hf_models import DEEPSEEK_VARIANTS as VARIANTS
+from hf_models import hf_greedy, save_tiny_deepseek
 from paged_batch import latent_batch, paged_meta
 
 from pagedllm import LLM, SamplingParams
@@ -17,45 +18,6 @@ from pagedllm.attention.mla import mla_forward
 from pagedllm.model_executor.models.deepseek import DeepseekForCausalLM, DeepseekMoe, MlaAttention
 
 MAX_NEW = 6
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=4, vocab_size=256, max_position_embeddings=512, kv_lora_rank=32,
-            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
-            num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
-            rope_parameters=YARN)
-VARIANTS = {
-    # DeepSeek-V2: q through its low-rank bottleneck, experts chosen within the best groups
-    "v2": ("deepseek_v2", dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                               routed_scaling_factor=1.5)),
-    # DeepSeek-V2-Lite: q_proj straight from the hidden states, greedy top-k
-    "v2-lite": ("deepseek_v2", dict(q_lora_rank=None, topk_method="greedy")),
-    # DeepSeek-V3: sigmoid scores + correction bias, grouped (noaux_tc), renormalised, scaled;
-    # YaRN with mscale != mscale_all_dim (cos/sin scaled too); two dense layers
-    "v3": ("deepseek_v3", dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
-                               routed_scaling_factor=2.5, first_k_dense_replace=2, num_hidden_layers=4,
-                               rope_parameters={**YARN, "mscale": 1.0})),
-}
-
-
-def _save(path: str, variant: str, seed: int = 0):
-    """A random HF model in float32, weights wide enough that greedy choices are far from
-    ties (experts and the V3 correction bias too), saved as save_pretrained writes it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, extra = VARIANTS[variant]
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**TINY, **extra})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +27,7 @@ def deepseek(tmp_path_factory):
     def get(variant: str):
         if variant not in cache:
             path = str(tmp_path_factory.mktemp(variant))
-            cache[variant] = (path, _save(path, variant))
+            cache[variant] = (path, save_tiny_deepseek(path, variant))
         return cache[variant]
 
     return get
@@ -100,7 +62,7 @@ def _matches(results, hf, prompts) -> bool:
     return True
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["v2", "v2-lite", "v3"])
 def test_parity_chunked_prefill_and_prefix_caching(deepseek, variant):
     """Blocks of 4 tokens, a 24-token budget (prompts of up to 52 tokens prefill in chunks,
     beside decodes), then the same prompts again: their shared 12-token prefix and whole

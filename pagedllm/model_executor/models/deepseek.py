@@ -130,7 +130,7 @@ class MlaAttention(nn.Module):
         q_nope, q_pe = q.split([s.qk_nope_head_dim, s.qk_rope_head_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c.contiguous())
-        q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.reshape(t, 1, s.qk_rope_head_dim))
+        q_pe, k_pe = self.rotary(positions, q_pe.contiguous(), k_pe.reshape(t, 1, s.qk_rope_head_dim).contiguous())
         latent = torch.cat((c, k_pe.reshape(t, s.qk_rope_head_dim)), dim=-1)
         # kv_b_proj's rows, per head: qk_nope_head_dim of W_UK then v_head_dim of W_UV
         w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
