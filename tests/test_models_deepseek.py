@@ -109,7 +109,8 @@ def test_routing_and_softmax_scale_are_seen(deepseek):
 def test_page_pool_holds_the_latent(deepseek):
     """One tensor a layer of kv_lora_rank + qk_rope_head_dim values a token (the engine),
     and for a DeepSeek-V2-Lite-shaped config about 9x fewer bytes a token than full K and V
-    of its 16 heads would take (`pagedllm plan`, no weights loaded)."""
+    of its 16 heads would take (`pagedllm plan`, no weights loaded). The roofline reads
+    the same latent a token."""
     from pagedllm.entrypoints.bench_workloads import DEEPSEEK_V2_LITE_CONFIG, write_arch_config
     from pagedllm.entrypoints.plan import plan_rows
 
@@ -124,10 +125,19 @@ def test_page_pool_holds_the_latent(deepseek):
     info, rows = plan_rows(write_arch_config(DEEPSEEK_V2_LITE_CONFIG), kv_cache_memory=1 << 30,
                            load_format="dummy")
     assert info["kv_pages"] == "mla-latent [576] per layer"
+    assert 15.6e9 < info["parameters"] < 15.8e9  # the model card's 15.7B: every layer built as the checkpoint's
     bf16 = next(r for r in rows if r.format == "bfloat16")
     assert bf16.kv_bytes_per_token == 27 * (512 + 64) * 2
     full_kv = 27 * 16 * ((128 + 64) + 128) * 2  # K of 192 and V of 128 values, every head
     assert 8.5 < full_kv / bf16.kv_bytes_per_token < 9.5
+
+    from transformers import AutoConfig
+
+    from pagedllm.entrypoints.bench_roofline import model_shape
+
+    cfg = AutoConfig.for_model("deepseek_v2", **{k: v for k, v in DEEPSEEK_V2_LITE_CONFIG.items()
+                                                  if k != "model_type"})
+    assert model_shape(cfg)["kv"] == 512 + 64
 
 
 def test_absorbed_decode_equals_decompressed_attention():
