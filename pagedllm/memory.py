@@ -1,13 +1,9 @@
-"""KV-cache sizing rules, shared by the engine and `pagedllm plan` so both give one answer."""
+"""KV-cache sizing rules, shared by the engine and `pagedllm plan` so both give one answer.
+What one token costs is the model's to say (attention/page_spec.py); these only count blocks."""
 
 from __future__ import annotations
 
 from pagedllm.config import DEFAULT_KV_CACHE_MEMORY
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
-    """K and V of every layer for one token."""
-    return 2 * num_layers * num_kv_heads * head_dim * elem_bytes
 
 
 def blocks_for_bytes(budget: int, bytes_per_block: int) -> int:

@@ -50,3 +50,32 @@ def paged_meta(tables, slots, q_start, ql, ctx, nd, tile_q, device="cpu"):
         q_start=t(q_start), q_len=t(ql), ctx_len=t(ctx), prefill_tiles=tiles_t,
         num_prefill_tiles=len(tiles), prefill_tile_q=tile_q,
         host_q_start=q_start, host_q_len=ql, host_ctx_len=ctx)
+
+
+def latent_batch(seqs, heads, rank, rope, page, dtype, seed=0):
+    """Random multi-head latent attention inputs (attention/mla.py) over scattered latent
+    pages of rank + rope values a token; seqs: (q_len, ctx_len), decodes first."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    total = sum(-(-c // page) for _, c in seqs) + 2
+    perm = rng.permutation(total)
+    tables = np.zeros((len(seqs), max(-(-c // page) for _, c in seqs)), dtype=np.int32)
+    slots, q_start, rows, used = [], [], 0, 0
+    for i, (ql, ctx) in enumerate(seqs):
+        nb = -(-ctx // page)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+        pos = np.arange(ctx - ql, ctx)
+        slots += (tables[i, pos // page].astype(np.int64) * page + pos % page).tolist()
+        q_start.append(rows)
+        rows += ql
+    cache = torch.randn(total, page, rank + rope, generator=g).to(dtype)
+    dn, dv = 16, 12
+    args = dict(q_nope=torch.randn(rows, heads, dn, generator=g).to(dtype),
+                q_pe=torch.randn(rows, heads, rope, generator=g).to(dtype),
+                latent=torch.randn(rows, rank + rope, generator=g).to(dtype),
+                w_uk=(0.2 * torch.randn(heads, dn, rank, generator=g)).to(dtype),
+                w_uv=(0.2 * torch.randn(heads, dv, rank, generator=g)).to(dtype))
+    ql = np.array([s[0] for s in seqs])
+    ctx = np.array([s[1] for s in seqs])
+    return cache, args, (tables, np.array(slots), np.array(q_start), ql, ctx)

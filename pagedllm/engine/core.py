@@ -90,8 +90,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_prefill_tokens_with_decodes,
                                    proposer)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens; %s", num_blocks,
-                    config.block_size, num_blocks * config.block_size,
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes a token (%s); %s",
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    self.executor.bytes_per_block // config.block_size,
+                    self.executor.page_spec.describe(),
                     full_length_sequences(num_blocks * config.block_size, config.max_model_len))
         self.async_scheduling = bool(config.async_scheduling)
         self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
@@ -124,6 +126,8 @@ class EngineCore:
             "block_size": bs,
             "kv_tokens": kv.num_blocks * bs,
             "kv_GiB": round(kv.num_blocks * ex.bytes_per_block / 2**30, 3),
+            "kv_bytes_per_token": ex.bytes_per_block // bs,
+            "kv_pages": ex.page_spec.describe(),
             "max_model_len": c.max_model_len,
             "max_len_seqs_that_fit": round(kv.num_blocks * bs / c.max_model_len, 2),
             "kv_pool": full_length_sequences(kv.num_blocks * bs, c.max_model_len),

@@ -146,23 +146,42 @@ def ceilings(device: torch.device, device_name: str, peak_bandwidth: float | Non
 
 
 def model_shape(hf_config) -> dict[str, int]:
-    """Sizes the roofline needs, from a transformers config (MoE: the experts' too)."""
+    """Sizes the roofline needs, from a transformers config (MoE: the experts' too). Per
+    layer: `attn` weights of the attention projections, `kv` cached values a token,
+    `attn_pos` prefill FLOPs per (query, earlier key) pair; MLA (DeepSeek) included."""
     hidden = hf_config.hidden_size
     heads = hf_config.num_attention_heads
-    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+    experts = (getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+               or getattr(hf_config, "n_routed_experts", None) or 0)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
+    if getattr(hf_config, "kv_lora_rank", None):  # multi-head latent attention
+        r, dr, dn, dv = (hf_config.kv_lora_rank, hf_config.qk_rope_head_dim,
+                         hf_config.qk_nope_head_dim, hf_config.v_head_dim)
+        ql = getattr(hf_config, "q_lora_rank", None)
+        q = (hidden * ql + ql * heads * (dn + dr)) if ql else hidden * heads * (dn + dr)
+        attn = q + hidden * (r + dr) + r * heads * (dn + dv) + heads * dv * hidden
+        kv, attn_pos = r + dr, 2 * heads * (dn + dr + dv)  # the latent; scores + weighted sum
+        shared = shared or (getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
+    else:
+        d = getattr(hf_config, "head_dim", None) or hidden // heads
+        attn = hidden * d * (2 * heads + 2 * kv_heads)
+        kv, attn_pos = 2 * kv_heads * d, 4 * heads * d
     return {
         "hidden": hidden,
         "layers": hf_config.num_hidden_layers,
-        "heads": heads,
-        "kv_heads": getattr(hf_config, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(hf_config, "head_dim", None) or hidden // heads,
+        "attn": attn,
+        "kv": kv,
+        "attn_pos": attn_pos,
         "ffn": hf_config.intermediate_size,
         "vocab": hf_config.vocab_size,
         "experts": experts,
+        # DeepSeek: the first layers keep a dense MLP
+        "dense_layers": (getattr(hf_config, "first_k_dense_replace", 0) or 0) if experts else 0,
         "top_k": getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
         "expert_ffn": (getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
         if experts else 0,
-        "shared_ffn": getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
+        "shared_ffn": shared,
     }
 
 
@@ -178,13 +197,14 @@ def matmul_params(shape: dict[str, int], tokens: float = 1.0) -> int:
     the LM head (the input embedding is a gather of a few rows, so it is left out; tied or
     not, the head is read). An MoE layer reads its router, its shared expert and only the
     distinct experts the step's tokens route to."""
-    h, d = shape["hidden"], shape["head_dim"]
-    attn = h * d * (2 * shape["heads"] + 2 * shape["kv_heads"])
+    h, attn = shape["hidden"], shape["attn"]
+    dense = shape.get("dense_layers", 0)
     if shape.get("experts"):
         mlp = (distinct_experts(shape, tokens) * 3 * h * shape["expert_ffn"]
                + 3 * h * shape["shared_ffn"] + h * shape["experts"])
-    else:
-        mlp = 3 * h * shape["ffn"]
+        return int((shape["layers"] - dense) * (attn + mlp) + dense * (attn + 3 * h * shape["ffn"])
+                   + shape["vocab"] * h)
+    mlp = 3 * h * shape["ffn"]
     return int(shape["layers"] * (attn + mlp) + shape["vocab"] * h)
 
 
@@ -192,10 +212,10 @@ def active_params(shape: dict[str, int]) -> int:
     """Weights one token multiplies by (MoE: its k experts): what prefill FLOPs count."""
     if not shape.get("experts"):
         return matmul_params(shape) - shape["vocab"] * shape["hidden"]
-    h, d = shape["hidden"], shape["head_dim"]
-    attn = h * d * (2 * shape["heads"] + 2 * shape["kv_heads"])
+    h, attn = shape["hidden"], shape["attn"]
+    dense = shape.get("dense_layers", 0)
     mlp = shape["top_k"] * 3 * h * shape["expert_ffn"] + 3 * h * shape["shared_ffn"] + h * shape["experts"]
-    return shape["layers"] * (attn + mlp)
+    return (shape["layers"] - dense) * (attn + mlp) + dense * (attn + 3 * h * shape["ffn"])
 
 
 def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: list[int],
@@ -211,7 +231,7 @@ def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: li
     params = matmul_params(s, concurrent)
     head = s["vocab"] * s["hidden"]
     wb = dtype_bytes if weight_bytes is None else weight_bytes
-    kv_bytes_per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * (kv_bytes or dtype_bytes)
+    kv_bytes_per_token = s["layers"] * s["kv"] * (kv_bytes or dtype_bytes)
     total_out = sum(output_lens)
     steps = max(max(output_lens), -(-total_out // concurrent))
     bw = bandwidth_tbps * 1e12
@@ -222,7 +242,7 @@ def roofline(hf_config, dtype_bytes: int, input_lens: list[int], output_lens: li
     # Prefill: 2 FLOPs per weight per token (the LM head only for the last token) and causal
     # attention (QK^T and PV, 2 FLOPs each per head dim per earlier position).
     layer_params = active_params(s)
-    attn_per_pos = 4 * s["layers"] * s["heads"] * s["head_dim"]
+    attn_per_pos = s["layers"] * s["attn_pos"]
     linear_speedup = dtype_bytes / wb  # FP8 products run at twice the bf16 rate
     prefill_flops = sum(2 * layer_params * n / linear_speedup + attn_per_pos * n * (n - 1) // 2
                         for n in input_lens)

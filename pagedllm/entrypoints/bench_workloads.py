@@ -84,6 +84,47 @@ QWEN3_30B_A3B_CONFIG: dict = {
     "torch_dtype": "bfloat16",
 }
 
+# DeepSeek-V2-Lite (15.7B total, 2.4B active): multi-head latent attention, whose pages hold
+# a 576-value latent a token a layer, and 64 routed experts (6 a token) + 2 shared.
+DEEPSEEK_V2_LITE_CONFIG: dict = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "vocab_size": 102400,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+
 
 # Llama-3.1-8B: the shape of TensorRT-LLM's published FP8 throughput figures.
 LLAMA31_8B_CONFIG: dict = {
@@ -153,6 +194,8 @@ WORKLOADS: dict[str, Workload] = {
                               (32000, 32000), (1, 1), 1, 1),
     "gpu-long-128k": Workload("gpu-long-128k", LLAMA31_8B_CONFIG, "dummy", "bfloat16", 1,
                               (128000, 128000), (1, 1), 1, 1),
+    "gpu-dsv2-lite": Workload("gpu-dsv2-lite", DEEPSEEK_V2_LITE_CONFIG, "dummy", "bfloat16", 256,
+                              (1000, 1000), (1000, 1000), 64, 64),
     "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
                          (32, 256), (128, 128), 16, 16),
 }

@@ -18,7 +18,6 @@ from pagedllm.memory import (
     blocks_for_bytes,
     cpu_num_blocks,
     full_length_sequences,
-    kv_bytes_per_token,
 )
 from pagedllm.model_executor.layers.linear import LinearBase
 from pagedllm.model_executor.layers.parallel import ParallelLMHead
@@ -49,16 +48,29 @@ class PlanRow:
     seqs_at_max_len: float
 
 
-def count_parameters(hf_config) -> tuple[int, int]:
-    """(parameters in linear layers, all other parameters) of the model we would build."""
+def _meta_model(hf_config):
+    """The model we would build, on the meta device: shapes only, no memory."""
     arch, cls = resolve_architecture(hf_config)
     with torch.device("meta"):
-        model = cls(hf_config, arch, 1, None)
+        return cls(hf_config, arch, 1, None)
+
+
+def count_parameters(hf_config, model=None) -> tuple[int, int]:
+    """(parameters in linear layers, all other parameters) of the model we would build."""
+    model = model if model is not None else _meta_model(hf_config)
     linear = sum(m.weight.numel() for m in model.modules()
                  if isinstance(m, LinearBase | ParallelLMHead) and m.weight is not getattr(
                      model.model.embed_tokens, "weight", None))
     total = sum(p.numel() for p in model.parameters())
     return linear, total - linear
+
+
+def _page_fields(pages) -> dict:
+    """What one token of one layer holds: K/V heads and head size, or an MLA latent."""
+    if pages.kind == "kv":
+        kv_heads, head_dim = pages.token_shape
+        return {"kv_heads": kv_heads, "head_dim": head_dim, "kv_pages": pages.describe()}
+    return {"kv_pages": pages.describe()}
 
 
 def plan_rows(model: str | None, max_model_len: int | None = None, block_size: int | None = None,
@@ -81,19 +93,19 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
     # The engine's own defaults, for the device the plan is for.
     cfg = cfg.resolve(hf, cuda_available=on_gpu)
     arch, _ = resolve_architecture(hf)
-    heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    layers = hf.num_hidden_layers
+    model = _meta_model(hf)
+    # what a token costs in the pages: the attention layers' own answer (K and V, an MLA latent)
+    pages = model.page_spec
+    layers = model.shape.num_layers
     max_len = cfg.max_model_len
-    linear, other = count_parameters(hf)
+    linear, other = count_parameters(hf, model)
     budget_tokens = cfg.max_num_batched_tokens
     rows = []
     for name, (w_bytes, elem) in WEIGHT_FORMATS.items():
         weights = linear * w_bytes + other * elem
         # an fp8 KV cache holds one byte an element, whatever the weights are
         kv_elem = 1 if kv_cache_dtype.startswith("fp8") else elem
-        per_token = kv_bytes_per_token(layers, kv_heads, head_dim, kv_elem)
+        per_token = pages.bytes_per_token(layers, kv_elem)
         per_block = per_token * block_size
         if on_gpu:
             # Activations of the largest step, as the engine's profiling pass would see them.
@@ -106,7 +118,7 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
         rows.append(PlanRow(name, round(weights / 2**30, 3), int(weights), per_token, blocks, blocks * block_size,
                             round(blocks * block_size / max_len, 2)))
     info = {"model": cfg.model, "architecture": arch, "parameters": linear + other,
-            "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "max_model_len": max_len,
+            "layers": layers, **_page_fields(pages), "max_model_len": max_len,
             "block_size": block_size, "kv_cache_dtype": kv_cache_dtype,
             "memory": f"{gpu_memory} GiB GPU x {gpu_memory_utilization}"
             if on_gpu else f"CPU, kv_cache_memory={kv_cache_memory or 'default'}"}

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from pagedllm.attention.page_spec import PageSpec
 from pagedllm.core.scheduler import SchedulerOutput
 from pagedllm.worker.model_runner import RunnerOutput
 
@@ -26,6 +27,7 @@ class Executor(Protocol):
     vocab_size: int
     weight_bytes: int
     bytes_per_block: int
+    page_spec: PageSpec  # what a token costs in one layer's pages (the model's attention says)
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int: ...
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
@@ -64,6 +66,7 @@ class RankGroupExecutor:
         self.vocab_size = info["vocab_size"]
         self.weight_bytes = info["weight_bytes"]
         self.bytes_per_block = info["bytes_per_block"]
+        self.page_spec = info["page_spec"]
 
     def _run(self, method: str, args: tuple) -> list:
         raise NotImplementedError

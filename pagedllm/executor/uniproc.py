@@ -29,6 +29,10 @@ class UniprocExecutor:
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block
 
+    @property
+    def page_spec(self):
+        return self.runner.page_spec
+
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         return self.runner.determine_num_blocks(max_num_batched_tokens, max_num_seqs)
 

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.memory import kv_bytes_per_token
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import resolve_source
@@ -62,7 +61,7 @@ class DraftRunner:
                              f"tokens, the target's has {runner.vocab_size}: a draft model must share "
                              "the target's tokenizer")
         self.shape = s
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self._kv_mmap = None
         logger.info("speculative decoding: draft model %s (%d layers, %.0f M parameters)", spec.model,
                     s.num_layers, sum(p.numel() for p in self.model.parameters()) / 1e6)
@@ -70,16 +69,15 @@ class DraftRunner:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.finfo(self.runner.kv_dtype).bits // 8
-        s = self.shape
-        return self.runner.block_size * kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, elem)
+        return self.runner.block_size * self.model.page_spec.bytes_per_token(self.shape.num_layers, elem)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         from pagedllm.worker.model_runner import zeroed_kv_tensor
 
-        s, r = self.shape, self.runner
-        shape = (s.num_layers, 2, num_blocks, r.block_size, s.num_kv_heads, s.head_dim)
+        s, r, spec = self.shape, self.runner, self.model.page_spec
+        shape = spec.pool_shape(s.num_layers, num_blocks, r.block_size)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, r.kv_dtype, r.device)
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(s.num_layers)]
+        self.kv_caches = [tuple(cache[i, p] for p in range(spec.parts)) for i in range(s.num_layers)]
 
     # ------------------------------------------------------------------ proposing
     def propose(self, chunks: list[ScheduledChunk]) -> None:

@@ -25,7 +25,7 @@ from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
-from pagedllm.memory import cpu_num_blocks, gpu_num_blocks, kv_bytes_per_token
+from pagedllm.memory import cpu_num_blocks, gpu_num_blocks
 from pagedllm.model_executor.layers.sampler import (
     SampledTensors,
     Sampler,
@@ -203,14 +203,16 @@ class ModelRunner:
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
                                 self.dtype, config.seed, config.quantization)
         s = self.model.shape
-        self.num_layers, self.num_kv_heads, self.head_dim = s.num_layers, s.num_kv_heads, s.head_dim
-        self.vocab_size = s.vocab
+        self.num_layers, self.vocab_size = s.num_layers, s.vocab
+        # What a token costs in every layer's pages: the model's attention layers say
+        # (full K/V, an MLA latent); the pool is laid out from it and nothing else.
+        self.page_spec = self.model.page_spec
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.seed)
         self.sampler = Sampler(gen)
         self.states: dict[str, _ReqState] = {}
         self.block_tables = BlockTables(-(-max_model_len // self.block_size))
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: its page_spec.parts
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists (CUDA only)
         # Tokens sampled by the latest launched step, on the device, and each request's row.
         self._prev_tokens: torch.Tensor | None = None
@@ -226,7 +228,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.finfo(self.kv_dtype).bits // 8
-        own = self.block_size * kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
+        own = self.block_size * self.page_spec.bytes_per_token(self.num_layers, elem)
         return own + (self.drafter.bytes_per_block if self.drafter is not None else 0)
 
     @property
@@ -273,7 +275,8 @@ class ModelRunner:
     def capture_graphs(self, max_num_seqs: int) -> None:
         """Capture decode steps as CUDA graphs (needs the graph-safe Triton backend)."""
         if (self.device.type != "cuda" or self.config.enforce_eager
-                or not getattr(self.backend, "graph_safe", False)):
+                or not getattr(self.backend, "graph_safe", False)
+                or not getattr(self.model, "graph_safe", True)):  # a model's own attention may not be
             return
         from pagedllm.worker.cuda_graphs import DecodeGraphs
 
@@ -283,11 +286,13 @@ class ModelRunner:
                                        min(max_num_seqs, 256), max_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor (and the
-        draft model's, of as many blocks: it writes the same slots)."""
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
+        K and V of [kv_heads, head_dim] each, or one MLA latent), and the draft model's, of
+        as many blocks: it writes the same slots."""
+        shape = self.page_spec.pool_shape(self.num_layers, num_blocks, self.block_size)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, self.kv_dtype, self.device)
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
+        parts = self.page_spec.parts
+        self.kv_caches = [tuple(cache[i, p] for p in range(parts)) for i in range(self.num_layers)]
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedllm.model_executor.models.deepseek import DeepseekForCausalLM
 from pagedllm.model_executor.models.glm import GlmForCausalLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
@@ -19,6 +20,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "Gemma3ForConditionalGeneration": LlamaForCausalLM,  # the language model only
     "Phi3ForCausalLM": LlamaForCausalLM,
     **{arch: MoeForCausalLM for arch in MOE_ARCHITECTURES},
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention + MoE
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     # remote-code checkpoints, read without running their code (models/remote_code.py)
     **{arch: RemoteCodeForCausalLM for arch in REMOTE_CODE_FAMILY},
 }

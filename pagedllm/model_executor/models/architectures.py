@@ -60,6 +60,9 @@ class ArchSpec:
     # q/k/v and gate/up stored fused in the checkpoint ([q | k | v] rows, [gate | up] rows,
     # Phi-3), cut into our fused layers' shards at load.
     fused_checkpoint: bool = False
+    # Multi-head latent attention and DeepSeek routing (models/deepseek.py): the config's
+    # MLA ranks, expert counts and routing method say the rest.
+    mla: bool = False
 
 
 LLAMA = ArchSpec()
@@ -99,6 +102,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Gemma3ForCausalLM": _GEMMA3,
     "Gemma3ForConditionalGeneration": _GEMMA3_MM,
     "Phi3ForCausalLM": ArchSpec(fused_checkpoint=True),
+    # rope on interleaved pairs (V3: unless the config's rope_interleave says otherwise)
+    "DeepseekV2ForCausalLM": ArchSpec(mla=True, rotary_interleaved=True),
+    "DeepseekV3ForCausalLM": ArchSpec(mla=True, rotary_interleaved=True),
     # remote-code checkpoints (models/remote_code.py): switches come with the translated config
     "InternLMForCausalLM": LLAMA,
     "InternLM2ForCausalLM": LLAMA,

@@ -31,6 +31,7 @@ from torch import nn
 
 from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.page_spec import PageSpec, common_page_spec
 from pagedllm.distributed import get_tp_rank, get_tp_world_size
 from pagedllm.model_executor.layers import fused_ops
 from pagedllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -164,6 +165,8 @@ class Attention(nn.Module):
         if s.attn_softcap and not getattr(backend, "supports_softcap", False):
             raise NotImplementedError(f"attention logit soft-capping (Gemma 2) needs an attention "
                                       f"backend with it; {backend.name!r} has none")
+        # what a token costs in this layer's pages: K and V of this rank's KV heads
+        self.page_spec = PageSpec.full_kv(s.num_kv_heads, s.head_dim)
         # An fp8 KV cache stores k / k_scale and v / v_scale (the checkpoint's, else 1.0).
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -250,11 +253,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, s: ModelShape, rotaries: dict[str | None, RotaryEmbedding], backend):
+    def __init__(self, s: ModelShape, rotaries: dict[str | None, RotaryEmbedding], backend,
+                 layers: list[nn.Module] | None = None):
+        """`layers`: decoder layers of another kind (models/deepseek.py), else Llama's, each
+        with the rotary table of its layer type."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, rotaries[kind], backend, w)
-                                    for w, kind in zip(s.layer_windows, s.layer_rope, strict=True))
+        if layers is None:
+            layers = [DecoderLayer(s, rotaries[kind], backend, w)
+                      for w, kind in zip(s.layer_windows, s.layer_rope, strict=True)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(s.hidden, s.eps, gemma=s.gemma_norm)
         self.embed_scale = s.embed_scale
         self._embed_scales: dict[torch.dtype, float] = {}
@@ -305,6 +313,11 @@ class LlamaForCausalLM(nn.Module):
             # like the embedding (padded, layers/parallel.py).
             self.lm_head = (ColumnParallelLinear(s.hidden, s.vocab, False, quant, gather_output=True)
                             if quant and quant.lm_head else ParallelLMHead(s.vocab, s.hidden))
+
+    @property
+    def page_spec(self) -> PageSpec:
+        """What one token costs in the page pool, as the attention layers say."""
+        return common_page_spec(layer.self_attn.page_spec for layer in self.model.layers)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

@@ -126,14 +126,18 @@ class SparseMoeBlock(nn.Module):
         y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.w2)
         return torch.einsum("eth,te->th", y.to(combine.dtype), combine).to(x.dtype)
 
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the weighted sum of the chosen experts (not yet all-reduced):
+        fused kernels on CUDA, else the sparse loop (the dense form inside a CUDA graph)."""
+        if fused_moe.available(x):
+            return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids,
+                                           invariant=batch_invariant.is_enabled())
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        return (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if fused_moe.available(x):
-            out = fused_moe.fused_experts(x, self.w13, self.w2, weights, ids,
-                                          invariant=batch_invariant.is_enabled())
-        else:
-            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-            out = (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
+        out = self.run_experts(x, weights, ids)
         if self.shared_expert is not None:
             # its row-parallel down_proj has already summed over the ranks
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
