@@ -7,7 +7,9 @@ ones to the longest would waste a quarter of the gather). Prefill chunks are ser
 
 ALiBi models (Baichuan-13B) pass per-head slopes: the score of query i on key j gets
 -m_h * (i - j) added after the 1/sqrt(d) scaling. Sliding-window layers (Mistral) pass the
-window W: query i sees keys i - W + 1 .. i.
+window W: query i sees keys i - W + 1 .. i. Attention sinks (gpt-oss) pass one learned
+logit per head that joins each softmax's denominator and adds nothing to its numerator: a
+zero key whose score is the sink (an additive mask column) with a zero value.
 """
 
 from __future__ import annotations
@@ -69,9 +71,36 @@ def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[tuple[torch
     return plan
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         gqa: bool, sinks: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention over [B, H, L, D] tensors; with `sinks` ([Hq] logits),
+    each head's sink joins the softmax's denominator (exactly: its key is zero, so its score
+    is the mask column's value, and its value is zero)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    b, hq, lq, dim = q.shape
+    lk = k.shape[2]
+    if is_causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is None:
+        bias = q.new_zeros(1, 1, 1, lk)
+    elif mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    else:
+        bias = mask.to(q.dtype)
+    bias = bias.expand(b, hq, lq, lk)
+    sink = sinks.to(q.dtype).view(1, hq, 1, 1).expand(b, hq, lq, 1)
+    zero = k.new_zeros(b, k.shape[1], 1, dim)
+    return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2),
+                                          attn_mask=torch.cat([bias, sink], -1), scale=scale,
+                                          enable_gqa=gqa)
+
+
 class TorchPagedAttention:
     name = "torch"
     supports_alibi = True
+    supports_sinks = True
     prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
     long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
 
@@ -99,6 +128,7 @@ class TorchPagedAttention:
         sliding_window: int | None = None,  # a query sees this many positions, itself included
         k_scale: float = 1.0,  # fp8 caches: the stored values are k / k_scale, v / v_scale
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [Hq] logits that join each softmax's denominator
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         fp8 = is_fp8(k_cache)
@@ -126,9 +156,7 @@ class TorchPagedAttention:
                 bias = alibi_slopes[None, :, None, None] * dist[:, None, None, :].float()
                 mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
             qd = q[:nd] if rows is None else q.index_select(0, rows)
-            o = F.scaled_dot_product_attention(
-                qd.unsqueeze(2), kc, vc, attn_mask=mask, scale=scale, enable_gqa=gqa
-            ).squeeze(2)
+            o = sdpa(qd.unsqueeze(2), kc, vc, mask, scale, gqa, sinks).squeeze(2)
             if rows is None:
                 out[:nd] = o
             else:
@@ -147,8 +175,7 @@ class TorchPagedAttention:
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             windowed = sliding_window is not None and sliding_window < ctx
             if alibi_slopes is None and ctx == qlen and not windowed:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                   enable_gqa=gqa)
+                o = sdpa(qs, ks, vs, None, scale, gqa, sinks, is_causal=True)
             else:
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)
                 dist = torch.arange(ctx, device=q.device)[None, :] - qpos[:, None]
@@ -159,7 +186,6 @@ class TorchPagedAttention:
                 else:
                     mask = (alibi_slopes[:, None, None] * dist.float()).masked_fill(
                         dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                   enable_gqa=gqa)
+                o = sdpa(qs, ks, vs, mask, scale, gqa, sinks)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
