@@ -57,6 +57,34 @@ def test_fused_experts_equal_the_per_token_loop(tokens, experts, k, hidden, inte
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
 
 
+@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (33, 4, 2), (20, 32, 4)])
+def test_fused_experts_with_biases_and_clamped_swiglu(tokens, experts, k):
+    """gpt-oss's experts: gate/up and down biases and the clamped SwiGLU, against
+    SparseMoeBlock's per-expert torch path (models/moe.py, checked against transformers)."""
+    from pagedllm.model_executor.models.moe import Activation
+
+    g = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter = 64, 32
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    b13 = torch.randn(experts, 2 * inter, generator=g)
+    b2 = torch.randn(experts, hidden, generator=g)
+    weights, ids = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), k)
+    act = Activation("clamped_swiglu", 1.702, 1.5)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(ids[t, j])
+            gate_up = x[t] @ w13[e].t() + b13[e]
+            h = act(gate_up[:inter], gate_up[inter:])
+            want[t] += weights[t, j] * (h @ w2[e].t() + b2[e])
+    assert (x @ w13[0, :inter].t() + b13[0, :inter]).abs().max() > 1.5  # the clamp bites
+    got = fused_experts(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV),
+                        b13=b13.to(DEV), b2=b2.to(DEV), swiglu=(1.702, 1.5)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_align_pairs_gives_each_block_one_expert():
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEV)
     sorted_ids, block_expert, used = align_pairs(ids, num_experts=5, block_m=4)

@@ -13,9 +13,11 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    expert, BLOCK_M pairs gathered from x by token) and BLOCK_N columns of the expert's
    intermediate size, multiplies by the gate and the up rows of that expert together (two
    accumulators over the same x tile) and writes silu(gate) * up: the [T*k, 2I] gate|up
-   product never reaches memory.
+   product never reaches memory. gpt-oss adds each expert's gate and up biases and applies
+   its clamped SwiGLU instead (BIAS and SWIGLU are compile-time switches, so other models
+   run the kernel they had).
 3. `_down_kernel`: the second grouped GEMM, [T*k, I] by each block's expert's down
-   projection, every row scaled by its routing weight.
+   projection (plus its bias, for gpt-oss), every row scaled by its routing weight.
 4. The k rows of a token are summed (a [T, k, H] reduction).
 
 Programs whose block lies past the used length return at once, so a decode step with 8
@@ -116,8 +118,9 @@ if triton is not None:
         return live, e, pair, pair < num_pairs, pid % n_tiles
 
     @triton.jit
-    def _gate_up_kernel(X, W, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
-                        sxm, sxk, swe, swn, swk, som, son, IEEE: tl.constexpr,
+    def _gate_up_kernel(X, W, B, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
+                        sxm, sxk, swe, swn, swk, sbe, som, son, alpha, limit, IEEE: tl.constexpr,
+                        BIAS: tl.constexpr, SWIGLU: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         live, e, pair, valid, pn = _block(SortedIds, BlockExpert, Used, num_pairs, N, BM, BN)
         if not live:
@@ -145,13 +148,21 @@ if triton is not None:
             a_ptr += BK * sxk
             g_ptr += BK * swk
             u_ptr += BK * swk
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if BIAS:  # B: [E, 2I], gate biases then up biases
+            acc_g += tl.load(B + e * sbe + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(B + e * sbe + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         o_ptr = Out + pair[:, None].to(tl.int64) * som + rn[None, :] * son
         tl.store(o_ptr, h.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit
-    def _down_kernel(A, W, Out, SortedIds, BlockExpert, Used, Weights, num_pairs, K, N,
-                     sam, sak, swe, swn, swk, som, son, IEEE: tl.constexpr,
+    def _down_kernel(A, W, B, Out, SortedIds, BlockExpert, Used, Weights, num_pairs, K, N,
+                     sam, sak, swe, swn, swk, sbe, som, son, IEEE: tl.constexpr, BIAS: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         live, e, pair, valid, pn = _block(SortedIds, BlockExpert, Used, num_pairs, N, BM, BN)
         if not live:
@@ -172,6 +183,8 @@ if triton is not None:
                 acc = tl.dot(a, w, acc)
             a_ptr += BK * sak
             w_ptr += BK * swk
+        if BIAS:
+            acc += tl.load(B + e * sbe + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         wt = tl.load(Weights + rows, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
         o_ptr = Out + rows[:, None] * som + rn[None, :] * son
@@ -277,10 +290,14 @@ INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, config: dict | None = None, invariant: bool = False) -> torch.Tensor:
+                  ids: torch.Tensor, config: dict | None = None, invariant: bool = False,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for
     x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. `invariant`: one
-    fixed tile configuration and the k rows summed in order (batch-invariant mode)."""
+    fixed tile configuration and the k rows summed in order (batch-invariant mode).
+    gpt-oss: biases b13 [E, 2I] (gate then up) and b2 [E, H], and `swiglu` = (alpha,
+    limit) for its clamped SwiGLU in place of silu(gate) * up."""
     if invariant:
         config = INVARIANT_CONFIG
     tokens, hidden = x.shape
@@ -295,14 +312,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     sorted_ids, block_expert, used = align_pairs(ids, num_experts, bm)
     blocks = sorted_ids.numel() // bm
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    alpha, limit = swiglu or (1.0, 0.0)
     _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
-        x, w13, h, sorted_ids, block_expert, used, pairs, hidden, inter, top_k,
-        *x.stride(), *w13.stride(), *h.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
+        x, w13, w13 if b13 is None else b13, h, sorted_ids, block_expert, used, pairs, hidden,
+        inter, top_k, *x.stride(), *w13.stride(), 0 if b13 is None else b13.stride(0), *h.stride(),
+        float(alpha), float(limit), IEEE=ieee, BIAS=b13 is not None, SWIGLU=swiglu is not None,
+        BM=bm, BN=bn, BK=bk, **launch)
     out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1)
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
-        h, w2, out, sorted_ids, block_expert, used, flat_w, pairs, inter, hidden,
-        *h.stride(), *w2.stride(), *out.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
+        h, w2, w2 if b2 is None else b2, out, sorted_ids, block_expert, used, flat_w, pairs, inter,
+        hidden, *h.stride(), *w2.stride(), 0 if b2 is None else b2.stride(0), *out.stride(),
+        IEEE=ieee, BIAS=b2 is not None, BM=bm, BN=bn, BK=bk, **launch)
     rows = out.view(tokens, top_k, hidden)
     if not invariant:
         return rows.sum(1)

@@ -163,9 +163,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if fused_moe.available(x) and self.act.kind == "silu" and self.b13 is None:
+        if fused_moe.available(x):
+            swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
             out = fused_moe.fused_experts(x, self.w13, self.w2, weights, ids,
-                                          invariant=batch_invariant.is_enabled())
+                                          invariant=batch_invariant.is_enabled(), b13=self.b13,
+                                          b2=self.b2, swiglu=swiglu)
         else:
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
             out = (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
