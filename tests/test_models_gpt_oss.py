@@ -117,6 +117,40 @@ def test_sinks_clamp_and_window_matter(gpt_oss):
     assert not _matches(_run(llm, prompts), hf, prompts)
 
 
+def test_tp2_equals_tp1(gpt_oss):
+    """Two ranks (gloo on CPU): each its heads' sinks, its rows of every expert and their
+    gate/up biases, the down bias added once (rank 0's) by the all-reduce."""
+    path, hf = gpt_oss
+    prompts = _prompts(3, seed=9, lo=10, hi=30)
+    kw = dict(skip_tokenizer_init=True, num_kv_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        assert type(llm.engine.executor).__name__ == "MultiprocExecutor"
+        got = _run(llm, prompts)
+    finally:
+        llm.engine.shutdown()
+    assert _matches(got, hf, prompts)
+
+
+def test_bench_preset_has_gpt_oss_20b_shape():
+    """The `gpu-oss-20b` workload's config builds gpt-oss-20b: 20.9B parameters as its model
+    card counts them, alternating sliding and full layers, 256 x (256 in, 256 out)."""
+    from transformers import AutoConfig
+
+    from pagedllm.attention import TorchPagedAttention
+    from pagedllm.entrypoints.bench_workloads import WORKLOADS
+    from pagedllm.model_executor.models import resolve_architecture
+
+    w = WORKLOADS["gpu-oss-20b"]
+    assert (w.num_prompts, w.input_range, w.output_range, w.load_format) == (256, (256, 256), (256, 256), "dummy")
+    cfg = AutoConfig.for_model("gpt_oss", **{k: v for k, v in w.arch_config.items() if k != "model_type"})
+    arch, cls = resolve_architecture(cfg)
+    with torch.device("meta"):
+        model = cls(cfg, arch, 4096, TorchPagedAttention)
+    assert 20.8e9 < sum(p.numel() for p in model.parameters()) < 21.0e9
+    assert [layer.self_attn.window for layer in model.model.layers[:2]] == [128, None]
+
+
 def test_dequantize_mxfp4_equals_transformers():
     """Nibble order, the e2m1 table and the e8m0 bias, against transformers' dequantizer."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors

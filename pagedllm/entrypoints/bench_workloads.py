@@ -84,6 +84,36 @@ QWEN3_30B_A3B_CONFIG: dict = {
     "torch_dtype": "bfloat16",
 }
 
+# gpt-oss-20b's published config. Its checkpoint's MXFP4 experts are dequantized to bf16 at
+# load (models/gpt_oss.py), so the dummy loader's random bf16 experts run the same kernels.
+GPT_OSS_20B_CONFIG: dict = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "rope_theta": 150000.0,
+    "rms_norm_eps": 1e-5,
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "torch_dtype": "bfloat16",
+}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -107,6 +137,8 @@ WORKLOADS: dict[str, Workload] = {
                          (100, 1024), (100, 1024), 256, 256),
     "gpu-moe": Workload("gpu-moe", QWEN3_30B_A3B_CONFIG, "dummy", "bfloat16", 256,
                         (256, 256), (256, 256), 64, 64),
+    "gpu-oss-20b": Workload("gpu-oss-20b", GPT_OSS_20B_CONFIG, "dummy", "bfloat16", 256,
+                            (256, 256), (256, 256), 64, 64),
     "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
                          (32, 256), (128, 128), 16, 16),
 }
