@@ -236,7 +236,8 @@ def test_harmony_reasoning_parser_splits_channels():
                         'commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
                         final=True)
     assert call.reasoning == "Need weather."
-    assert call.content == '<|channel|>commentary to=functions.get_weather<|message|>{"city":"Paris"}<|call|>'
+    assert call.content == ('<|start|>assistant<|channel|>commentary to=functions.get_weather<|message|>'
+                            '{"city":"Paris"}<|call|>')
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .harmony import CHANNEL, MESSAGE, START, harmony_messages
 from .tool_parsers.base import partial_marker
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -76,63 +77,12 @@ class Qwen3ReasoningParser(ReasoningParser):
         return ParsedReasoning(rest[:e] or None, before + (after.lstrip() if not before else after))
 
 
-# harmony's markers (gpt-oss): a message is `<|start|>{role}{header}<|message|>{body}` ended
-# by one of the END markers; the header holds `<|channel|>{name}`, maybe ` to={recipient}`
-# and `<|constrain|>{format}`. The chat template's generation prompt ends with
-# `<|start|>assistant`, so the answer starts inside the first header.
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
-
-
-@dataclass
-class HarmonyMessage:
-    channel: str
-    recipient: str | None  # e.g. "functions.get_weather" for a tool call
-    body: str
-    complete: bool  # its end marker was seen
-
-
-def harmony_header(header: str) -> tuple[str, str | None]:
-    """(channel, recipient) of a message header; `to=` may stand before or after the channel."""
-    channel, recipient = "", None
-    c = header.find(CHANNEL)
-    if c >= 0:
-        words = header[c + len(CHANNEL):].split("<|", 1)[0].split()
-        channel = words[0] if words else ""
-    t = header.find("to=")
-    if t >= 0:
-        words = header[t + 3:].split("<|", 1)[0].split()
-        recipient = words[0] if words else None
-    return channel, recipient
-
-
-def harmony_messages(text: str, final: bool) -> list[HarmonyMessage]:
-    """The messages of an answer so far. While not final, a marker that may still be being
-    written is held back, as is a header without its `<|message|>`; text with no markup at
-    all (before any `<|`) is one message on the `final` channel."""
-    if not final:
-        cut = text.rfind("<")
-        if cut >= 0 and "<|".startswith(text[cut:cut + 2]) and text.find("|>", cut) < 0:
-            text = text[:cut]
-    out = []
-    for i, segment in enumerate(text.split(START)):
-        m = segment.find(MESSAGE)
-        if m < 0:
-            if i == 0 and "<|" not in segment and segment.strip():
-                out.append(HarmonyMessage("final", None, segment, final))
-            continue  # a header still being written (or a role name)
-        channel, recipient = harmony_header(segment[:m])
-        body = segment[m + len(MESSAGE):]
-        ends = [e for e in (body.find(marker) for marker in HARMONY_ENDS) if e >= 0]
-        out.append(HarmonyMessage(channel, recipient, body[:min(ends)] if ends else body, bool(ends) or final))
-    return out
-
-
 class HarmonyReasoningParser(ReasoningParser):
     """gpt-oss (harmony): the `analysis` channel is reasoning; `final` and `commentary`
     messages are content. A tool call (a message with a `to=functions.NAME` recipient) is
-    passed on to the content as `<|channel|>commentary to=functions.NAME<|message|>ARGS`
-    plus `<|call|>` once complete, for the harmony tool parser."""
+    passed on to the content as the message `<|start|>assistant<|channel|>commentary
+    to=functions.NAME<|message|>ARGS` (plus `<|call|>` once complete), for the harmony tool
+    parser (tool_parsers/harmony.py)."""
 
     name = "gpt_oss"
     keeps_special_tokens = True
@@ -141,8 +91,8 @@ class HarmonyReasoningParser(ReasoningParser):
         reasoning, content = [], []
         for msg in harmony_messages(text, final):
             if msg.recipient is not None:
-                content.append(f"{CHANNEL}{msg.channel} to={msg.recipient}{MESSAGE}{msg.body}"
-                               + ("<|call|>" if msg.complete else ""))
+                content.append(f"{START}assistant{CHANNEL}{msg.channel} to={msg.recipient}{MESSAGE}"
+                               f"{msg.body}" + ("<|call|>" if msg.complete else ""))
             elif msg.channel == "analysis":
                 reasoning.append(msg.body)
             else:
