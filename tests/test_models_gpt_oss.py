@@ -255,3 +255,54 @@ def test_cuda_gpt_oss_with_graphs_matches_eager_and_transformers(gpt_oss):
         runs.append(_run(llm, prompts))
     assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
     assert _matches(runs[0], hf, prompts, abs_tol=1e-3)
+
+
+HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+def _harmony_tokenizer():
+    """A byte-level tokenizer whose harmony markers are special tokens, as in o200k_harmony."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(HARMONY_SPECIAL)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def test_harmony_answer_streamed_from_token_ids():
+    """An answer decoded token by token with its special tokens kept (what the chat server
+    asks for when the harmony reasoning parser is on), streamed through both harmony parsers:
+    reasoning, content and the call come out; with special tokens skipped, the channels
+    could not be told apart."""
+    from pagedllm.entrypoints.openai.chat_output import OutputParser, StreamState
+    from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+    from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+    from pagedllm.tokenizers.detokenizer import IncrementalDetokenizer
+
+    tok = _harmony_tokenizer()
+    answer = ("<|channel|>analysis<|message|>Weather needed: call the tool.<|end|><|start|>assistant"
+              "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+              '{"city": "Paris"}<|call|>')
+    ids = tok.encode(answer, add_special_tokens=False)
+    assert sum(i >= 256 for i in ids) == answer.count("<|")  # every marker one special token
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    state = StreamState(OutputParser(get_reasoning_parser("gpt_oss"), get_tool_parser("openai")))
+    reasoning, content, args, name = "", "", "", None
+    for n, i in enumerate(ids):
+        detok.add(i)
+        d = state.update(detok.text, final=n == len(ids) - 1).to_dict()
+        reasoning += d.get("reasoning_content", "")
+        content += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            name = c["function"].get("name", name)
+            args += c["function"]["arguments"]
+    assert detok.text == answer
+    assert (reasoning, content, name, json.loads(args)) == (
+        "Weather needed: call the tool.", "", "get_weather", {"city": "Paris"})
+    skipped = tok.decode(ids, skip_special_tokens=True)
+    assert get_reasoning_parser("gpt_oss").parse(skipped, final=True).reasoning is None

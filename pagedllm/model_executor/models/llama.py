@@ -129,7 +129,7 @@ class Attention(nn.Module):
             raise NotImplementedError("ALiBi with a sliding window")
         self.sinks = None
         if s.spec.attention_sinks:  # every head's, replicated; a rank reads its own heads'
-            if not getattr(backend, "supports_sinks", False):
+            if backend is not None and not getattr(backend, "supports_sinks", False):  # None: sizing only
                 raise NotImplementedError(f"attention sinks (gpt-oss) need an attention backend with "
                                           f"sinks; {backend.name!r} has none")
             self.sinks = nn.Parameter(torch.empty(s.total_num_heads))
