@@ -97,6 +97,16 @@ def test_gpt_oss_matches_transformers_chunked_and_cached(gpt_oss):
     assert _matches(second, hf, shared) and [t for t, _ in first] == [t for t, _ in second]
 
 
+def test_batch_invariant_mode_matches_transformers(gpt_oss):
+    """The batch-invariant attention (sinks from a row's start) and MoE, chunked."""
+    path, hf = gpt_oss
+    prompts = _prompts(3, seed=10, lo=10, hi=36)
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128, max_model_len=128,
+              batch_invariant=True, max_num_batched_tokens=16)
+    assert llm.engine.executor.model.model.layers[0].self_attn.backend.name == "batch_invariant"
+    assert _matches(_run(llm, prompts), hf, prompts)
+
+
 def test_sinks_clamp_and_window_matter(gpt_oss):
     """The checks see each gpt-oss feature: without it the same model fails them."""
     path, hf = gpt_oss
