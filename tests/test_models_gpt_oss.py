@@ -15,7 +15,8 @@ from hf_models import hf_greedy, random_tiny_model
 from safetensors.torch import save_file
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_executor.models.gpt_oss import dequantize_mxfp4
+from pagedllm.model_executor.layers.quantization import QuantConfig
+from pagedllm.model_executor.models.gpt_oss import Mxfp4Experts, dequantize_mxfp4
 from pagedllm.model_executor.models.moe import SparseMoeBlock
 
 MAX_NEW = 6
@@ -159,6 +160,12 @@ def test_bench_preset_has_gpt_oss_20b_shape():
         model = cls(cfg, arch, 4096, TorchPagedAttention)
     assert 20.8e9 < sum(p.numel() for p in model.parameters()) < 21.0e9
     assert [layer.self_attn.window for layer in model.model.layers[:2]] == [128, None]
+    # its MXFP4 experts kept packed, as on CUDA: about the published checkpoint's 13 GiB
+    quant = QuantConfig.default(w.arch_config["quantization_config"]["quant_method"])
+    with torch.device("meta"):
+        packed = cls(cfg, arch, 4096, TorchPagedAttention, quant=quant)
+    size = sum(p.numel() * (2 if p.is_floating_point() else 1) for p in packed.parameters())
+    assert isinstance(packed.model.layers[0].mlp, Mxfp4Experts) and 12 * 2**30 < size < 14 * 2**30
 
 
 def test_dequantize_mxfp4_equals_transformers():
@@ -316,3 +323,19 @@ def test_harmony_answer_streamed_from_token_ids():
         "Weather needed: call the tool.", "", "get_weather", {"city": "Paris"})
     skipped = tok.decode(ids, skip_special_tokens=True)
     assert get_reasoning_parser("gpt_oss").parse(skipped, final=True).reasoning is None
+
+
+@pytest.mark.gpu
+def test_cuda_packed_mxfp4_matches_its_dequantized_twin(gpt_oss, tmp_path):
+    """On CUDA the MXFP4 experts stay packed (the fused kernels dequantize them tile by
+    tile): the same tokens as the float twin, and as transformers on the dequantized experts."""
+    _, hf = gpt_oss
+    qdir, tdir, twin = _mxfp4_pair(hf, tmp_path)
+    kw = dict(skip_tokenizer_init=True, dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=256)
+    quant = LLM(model=qdir, **kw)
+    assert isinstance(_model(quant).model.layers[0].mlp, Mxfp4Experts)
+    prompts = _prompts(4, seed=11, lo=10, hi=40)
+    got, want = _run(quant, prompts), _run(LLM(model=tdir, **kw), prompts)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    hf.load_state_dict(twin)
+    assert _matches(got, hf, prompts, abs_tol=1e-3)

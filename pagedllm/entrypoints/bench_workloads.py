@@ -84,8 +84,8 @@ QWEN3_30B_A3B_CONFIG: dict = {
     "torch_dtype": "bfloat16",
 }
 
-# gpt-oss-20b's published config. Its checkpoint's MXFP4 experts are dequantized to bf16 at
-# load (models/gpt_oss.py), so the dummy loader's random bf16 experts run the same kernels.
+# gpt-oss-20b's published config, its MXFP4 experts included: on CUDA the dummy loader
+# fills them packed with random codes, as the checkpoint's are kept (models/gpt_oss.py).
 GPT_OSS_20B_CONFIG: dict = {
     "architectures": ["GptOssForCausalLM"],
     "model_type": "gpt_oss",
@@ -112,6 +112,7 @@ GPT_OSS_20B_CONFIG: dict = {
     "eos_token_id": 200002,
     "pad_token_id": 199999,
     "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4"},
 }
 
 

@@ -226,7 +226,8 @@ class SparseMoeBlock(nn.Module):
 class MoeForCausalLM(LlamaForCausalLM):
     """Serves MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM."""
 
-    def __init__(self, config, architecture: str, max_positions: int, backend, quant=None):
+    def __init__(self, config, architecture: str, max_positions: int, backend, quant=None,
+                 block_cls: type[SparseMoeBlock] | None = None):
         if quant is not None:
             raise ValueError(f"quantized {architecture} checkpoints are not supported "
                              "(float weights only)")
@@ -243,7 +244,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         act = Activation(moe.activation, getattr(config, "swiglu_alpha", 1.702),
                          getattr(config, "swiglu_limit", 7.0))
         for i in sorted(sparse):
-            self.model.layers[i].mlp = SparseMoeBlock(
+            self.model.layers[i].mlp = (block_cls or SparseMoeBlock)(
                 s, num_experts, config.num_experts_per_tok, inter, norm,
                 weights_in_fp32=moe.weights_in_fp32, shared_intermediate=shared, activation=act,
                 router_bias=moe.router_bias, expert_bias=moe.expert_bias)
