@@ -6,6 +6,7 @@ published layout loads as its dequantized twin (dequantized by transformers' own
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -225,8 +226,9 @@ def test_mxfp4_checkpoint_loads_as_its_dequantized_twin(gpt_oss, tmp_path):
     prompts = _prompts(3, seed=6, lo=10, hi=30)
     got = _run(quant, prompts)
     assert got == _run(float_twin, prompts)
-    hf.load_state_dict(twin)  # transformers on the dequantized experts
-    assert _matches(got, hf, prompts)
+    twin_hf = copy.deepcopy(hf)  # transformers on the dequantized experts (the fixture's stays)
+    twin_hf.load_state_dict(twin)
+    assert _matches(got, twin_hf, prompts)
 
 
 def test_harmony_reasoning_parser_splits_channels():
@@ -337,5 +339,6 @@ def test_cuda_packed_mxfp4_matches_its_dequantized_twin(gpt_oss, tmp_path):
     prompts = _prompts(4, seed=11, lo=10, hi=40)
     got, want = _run(quant, prompts), _run(LLM(model=tdir, **kw), prompts)
     assert [t for t, _ in got] == [t for t, _ in want]
-    hf.load_state_dict(twin)
-    assert _matches(got, hf, prompts, abs_tol=1e-3)
+    twin_hf = copy.deepcopy(hf)
+    twin_hf.load_state_dict(twin)
+    assert _matches(got, twin_hf, prompts, abs_tol=1e-3)
