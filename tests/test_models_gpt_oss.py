@@ -169,6 +169,26 @@ def test_bench_preset_has_gpt_oss_20b_shape():
     assert isinstance(packed.model.layers[0].mlp, Mxfp4Experts) and 12 * 2**30 < size < 14 * 2**30
 
 
+def test_dummy_loader_fills_packed_experts(gpt_oss):
+    """Random weights (load_format="dummy") for MXFP4 experts kept packed, as on CUDA:
+    random codes at a small scale, zero biases, every other weight as for float models."""
+    from pagedllm.attention import TorchPagedAttention
+    from pagedllm.model_executor.loader.loader import _dummy_weights
+    from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    _, hf = gpt_oss
+    with torch.device("meta"):
+        model = GptOssForCausalLM(hf.config, "GptOssForCausalLM", 64, TorchPagedAttention,
+                                  quant=QuantConfig.default("mxfp4"))
+    model = model.to_empty(device="cpu")
+    _dummy_weights(model, seed=0)
+    block = model.model.layers[0].mlp
+    assert isinstance(block, Mxfp4Experts) and block.w13.dtype == torch.uint8
+    assert len(block.w13.unique()) > 200 and block.w13_scale.eq(121).all() and block.b2.eq(0).all()
+    w = dequantize_mxfp4(block.w2.view(*block.w2.shape[:2], -1, 16), block.w2_scale, torch.float32)
+    assert 0.01 < w.std().item() < 0.06
+
+
 def test_dequantize_mxfp4_equals_transformers():
     """Nibble order, the e2m1 table and the e8m0 bias, against transformers' dequantizer."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors

@@ -107,7 +107,7 @@ class Mxfp4Experts(SparseMoeBlock):
         loader's stand-in for a checkpoint."""
         with torch.no_grad():
             for w in (self.w13, self.w2):
-                w.copy_(torch.randint(0, 256, w.shape, generator=generator, device=w.device, dtype=torch.int32))
+                w.copy_(torch.randint(0, 256, w.shape, generator=generator, device=w.device, dtype=torch.uint8))
             self.w13_scale.fill_(127 - 6)
             self.w2_scale.fill_(127 - 6)
             self.b13.zero_()
