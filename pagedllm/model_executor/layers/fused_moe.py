@@ -306,14 +306,15 @@ def _tuned() -> dict:
         return {}
 
 
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter},k={top_k}"
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, mxfp4: bool = False) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}" + (",mxfp4" if mxfp4 else "")
 
 
-def pick_config(pairs: int, num_experts: int, hidden: int, inter: int, top_k: int) -> dict:
-    """Tile sizes for one call: the tuned entry for this shape at the nearest tuned token
-    count, else by the number of pairs each expert gets on average."""
-    table = _tuned().get(shape_key(num_experts, hidden, inter, top_k))
+def pick_config(pairs: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                mxfp4: bool = False) -> dict:
+    """Tile sizes for one call: the tuned entry for this shape (and weight format) at the
+    nearest tuned token count, else by the number of pairs each expert gets on average."""
+    table = _tuned().get(shape_key(num_experts, hidden, inter, top_k, mxfp4))
     tokens = max(1, pairs // top_k)
     counts = [t for t in (table or {}) if t.isdigit()]  # "_card": where it was tuned
     if counts:
@@ -364,9 +365,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     inter = two_i // 2
     top_k = ids.shape[1]
     pairs = tokens * top_k
-    cfg = config or pick_config(pairs, num_experts, hidden, inter, top_k)
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     mxfp4 = w13_scale is not None
+    cfg = config or pick_config(pairs, num_experts, hidden, inter, top_k, mxfp4)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     if mxfp4:
         bk = max(bk, 32)  # whole scale blocks per K tile
     launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
