@@ -3,6 +3,7 @@ each count's time against the card's bandwidth bound for the expert weights it r
 
     python benchmarks/tune_fused_moe.py [--experts 128 --hidden 2048 --inter 768 --top-k 8]
         [--tokens 1 8 64 256 1024 4096] [--write pagedllm/model_executor/layers/configs/fused_moe.json]
+        [--gpt-oss]  # gpt-oss's experts: packed MXFP4, biases, clamped SwiGLU (its own key)
 
 Writes (merges) the best configuration per token count under the shape's key; the engine
 picks the entry nearest a step's token count (fused_moe.pick_config).
@@ -62,6 +63,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024, 4096])
     ap.add_argument("--bandwidth", type=float, default=None, help="TB/s (default: measured copy)")
+    ap.add_argument("--gpt-oss", action="store_true",
+                    help="MXFP4 experts with biases and the clamped SwiGLU (e.g. --experts 32 "
+                         "--hidden 2880 --inter 2880 --top-k 4 for gpt-oss-20b)")
     ap.add_argument("--write")
     ap.add_argument("--report")
     args = ap.parse_args()
@@ -70,6 +74,16 @@ def main() -> None:
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     w13 = torch.randn(e, 2 * i, h, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(e, h, i, device=dev, generator=g, dtype=torch.bfloat16) * 0.02
+    extra: dict = {}
+    weight_bytes = 2.0
+    if args.gpt_oss:  # packed bytes and exponents instead of bf16
+        w13 = torch.randint(0, 256, (e, 2 * i, h // 2), device=dev, generator=g, dtype=torch.uint8)
+        w2 = torch.randint(0, 256, (e, h, i // 2), device=dev, generator=g, dtype=torch.uint8)
+        extra = dict(w13_scale=torch.full((e, 2 * i, h // 32), 121, dtype=torch.uint8, device=dev),
+                     w2_scale=torch.full((e, h, i // 32), 121, dtype=torch.uint8, device=dev),
+                     b13=torch.zeros(e, 2 * i, device=dev, dtype=torch.bfloat16),
+                     b2=torch.zeros(e, h, device=dev, dtype=torch.bfloat16), swiglu=(1.702, 7.0))
+        weight_bytes = 0.5 + 1 / 32
     if args.bandwidth is None:
         buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
         sec = _time(lambda: buf[: 1 << 29].copy_(buf[1 << 29:]), iters=10)
@@ -81,13 +95,13 @@ def main() -> None:
         x = torch.randn(t, h, device=dev, generator=g, dtype=torch.bfloat16)
         weights, ids = torch.topk(torch.randn(t, e, device=dev, generator=g).softmax(-1), k)
         distinct = int(torch.unique(ids).numel())
-        nbytes = distinct * 3 * h * i * 2 + t * h * 2 * 2
-        default = fused_moe.pick_config(t * k, e, h, i, k)
+        nbytes = distinct * 3 * h * i * weight_bytes + t * h * 2 * 2
+        default = fused_moe.pick_config(t * k, e, h, i, k, args.gpt_oss)
         results = []
         for cfg in [default, *candidates(t, k, e)]:
             try:
                 sec = _time(lambda cfg=cfg, x=x, w=weights, ids=ids:
-                            fused_moe.fused_experts(x, w13, w2, w, ids, cfg))
+                            fused_moe.fused_experts(x, w13, w2, w, ids, cfg, **extra))
             except Exception as exc:  # a configuration that does not fit the card's shared memory
                 print(f"  skip {cfg}: {type(exc).__name__}")
                 continue
@@ -106,7 +120,7 @@ def main() -> None:
         if os.path.exists(args.write):
             with open(args.write) as f:
                 table = json.load(f)
-        table[fused_moe.shape_key(e, h, i, k)] = {"_card": name, **best_table}
+        table[fused_moe.shape_key(e, h, i, k, args.gpt_oss)] = {"_card": name, **best_table}
         with open(args.write, "w") as f:
             json.dump(table, f, indent=1)
     if args.report:

@@ -302,8 +302,9 @@ class EngineConfig:
             # Only the spelling is checked here; the checkpoint decides at load (a mismatch
             # between this and what the checkpoint says is an error then).
             self.quantization = self.quantization.lower()
-            if self.quantization not in ("gptq", "awq", "gguf", "fp8"):
-                raise ValueError(f"quantization must be gptq|awq|gguf|fp8 or None (detect), got {self.quantization!r}")
+            if self.quantization not in ("gptq", "awq", "gguf", "fp8", "mxfp4"):
+                raise ValueError("quantization must be gptq|awq|gguf|fp8|mxfp4 or None (detect), "
+                                 f"got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):

@@ -14,7 +14,9 @@ from pagedllm.model_executor.models.moe import MOE_ARCHITECTURES
 
 def test_every_registered_architecture_has_a_spec():
     assert set(MODEL_REGISTRY) == set(ARCHITECTURES)
-    assert set(MOE_ARCHITECTURES) == {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+    assert set(MOE_ARCHITECTURES) == {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                      "GptOssForCausalLM"}
+    assert MODEL_REGISTRY["GptOssForCausalLM"].__name__ == "GptOssForCausalLM"  # its expert layouts
     with pytest.raises(ValueError, match="no architecture spec"):
         arch_spec("GPT2LMHeadModel")
 

@@ -82,6 +82,19 @@ def test_attention_equals_the_reference_backend(window, alibi):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 20], ids=["causal", "sliding-window"])
+def test_attention_with_sinks_equals_the_reference_backend(window):
+    """gpt-oss's attention sinks (a logit per head in each softmax's denominator)."""
+    seqs = [(37, 1), (130, 1), (70, 70), (150, 40)]
+    q, k, v, kc, vc, meta = _paged_batch(seqs, seed=1)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
+    ref = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.25, None, window, sinks=sinks)
+    out = BatchInvariantAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.25, None, window, sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    plain = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.25, None, window)
+    assert not torch.allclose(plain, ref, rtol=1e-3, atol=1e-3)
+
+
 def test_attention_of_a_query_does_not_depend_on_its_batch():
     """The last query of a 150-token context: alone as a decode, as the last row of a
     40-row chunk, and beside other sequences: the same bits."""

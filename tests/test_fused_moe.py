@@ -57,6 +57,65 @@ def test_fused_experts_equal_the_per_token_loop(tokens, experts, k, hidden, inte
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
 
 
+@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (33, 4, 2), (20, 32, 4)])
+def test_fused_experts_with_biases_and_clamped_swiglu(tokens, experts, k):
+    """gpt-oss's experts: gate/up and down biases and the clamped SwiGLU, against
+    SparseMoeBlock's per-expert torch path (models/moe.py, checked against transformers)."""
+    from pagedllm.model_executor.models.moe import Activation
+
+    g = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter = 64, 32
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    b13 = torch.randn(experts, 2 * inter, generator=g)
+    b2 = torch.randn(experts, hidden, generator=g)
+    weights, ids = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), k)
+    act = Activation("clamped_swiglu", 1.702, 1.5)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(ids[t, j])
+            gate_up = x[t] @ w13[e].t() + b13[e]
+            h = act(gate_up[:inter], gate_up[inter:])
+            want[t] += weights[t, j] * (h @ w2[e].t() + b2[e])
+    assert (x @ w13[0, :inter].t() + b13[0, :inter]).abs().max() > 1.5  # the clamp bites
+    got = fused_experts(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV),
+                        b13=b13.to(DEV), b2=b2.to(DEV), swiglu=(1.702, 1.5)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,experts,k,hidden,inter", [(1, 8, 2, 64, 32), (20, 4, 2, 96, 64), (9, 32, 4, 64, 96)])
+def test_fused_experts_on_packed_mxfp4_equal_the_dequantized(tokens, experts, k, hidden, inter):
+    """gpt-oss's MXFP4 experts kept packed: the kernels dequantize K tile by K tile (hidden
+    96 and inter 96 end in a half tile) what models/gpt_oss.dequantize_mxfp4 (checked
+    against transformers) dequantizes whole."""
+    from pagedllm.model_executor.models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=g)
+
+    def packed(rows, cols):
+        return (torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, generator=g),
+                torch.randint(119, 125, (experts, rows, cols // 32), dtype=torch.uint8, generator=g))
+
+    (w13, s13), (w2, s2) = packed(2 * inter, hidden), packed(hidden, inter)
+    b13, b2 = torch.randn(experts, 2 * inter, generator=g), torch.randn(experts, hidden, generator=g)
+    weights, ids = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), k)
+
+    def float_w(w, sc):
+        return dequantize_mxfp4(w.view(*w.shape[:2], -1, 16), sc, torch.float32)
+
+    for kw in ({}, {"b13": b13, "b2": b2, "swiglu": (1.702, 7.0)}):
+        want = fused_experts(x.to(DEV), float_w(w13, s13).to(DEV), float_w(w2, s2).to(DEV), weights.to(DEV),
+                             ids.to(DEV), **{a: (v.to(DEV) if torch.is_tensor(v) else v) for a, v in kw.items()})
+        for cfg in (None, {"BM": 16, "BN": 32, "BK": 16}):
+            got = fused_experts(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), cfg,
+                                w13_scale=s13.to(DEV), w2_scale=s2.to(DEV),
+                                **{a: (v.to(DEV) if torch.is_tensor(v) else v) for a, v in kw.items()})
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(1.0, want.abs().max().item()))
+
+
 def test_align_pairs_gives_each_block_one_expert():
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEV)
     sorted_ids, block_expert, used = align_pairs(ids, num_experts=5, block_m=4)
@@ -96,3 +155,39 @@ def test_route_is_transformers_routing(renormalise):
     w, i = route(logits.to(DEV), 8, renormalise)
     assert torch.equal(i.cpu().long(), want_i)
     torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_mxfp4_expert_block_equals_its_dequantized_twin(tmp_path, monkeypatch):
+    """gpt-oss's published MXFP4 checkpoint loaded into packed experts (their rows
+    de-interleaved into gate and up, as CUDA keeps them) computes, through the fused kernels,
+    what the same checkpoint dequantized at load computes on the torch path."""
+    from safetensors import safe_open
+    from test_models_gpt_oss import _mxfp4_pair, _reference
+
+    from pagedllm.attention import TorchPagedAttention
+    from pagedllm.model_executor.layers import fused_moe
+    from pagedllm.model_executor.layers.quantization import QuantConfig
+    from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM, Mxfp4Experts
+
+    hf = _reference()
+    qdir, _, _ = _mxfp4_pair(hf, tmp_path)
+
+    def load(quant):
+        with torch.device("meta"):
+            model = GptOssForCausalLM(hf.config, "GptOssForCausalLM", 64, TorchPagedAttention, quant=quant)
+        model = model.to_empty(device=DEV)
+        pairs = []
+        for f in sorted((tmp_path / "mxfp4").glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                pairs += [(k, st.get_tensor(k)) for k in st.keys()]
+        model.load_weights(pairs)
+        return model
+
+    packed, dequantized = load(QuantConfig.default("mxfp4")), load(None)
+    x = torch.randn(11, hf.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEV)
+    with torch.no_grad():
+        want = [layer.mlp.experts_sparse(x, *layer.mlp.route(x)) for layer in dequantized.model.layers]
+        monkeypatch.setattr(fused_moe, "available", lambda t: True)
+        for layer, w in zip(packed.model.layers, want, strict=True):
+            assert isinstance(layer.mlp, Mxfp4Experts) and layer.mlp.w13.dtype == torch.uint8
+            torch.testing.assert_close(layer.mlp(x), w, rtol=1e-4, atol=1e-4)

@@ -61,6 +61,13 @@ CASES = [
     ("forced", '[ {"name" :"a","arguments":{ "k" :[ 1 ,2 ] } } ,\n{"name":"b","arguments":{}}]',
      None, [("a", '{"k": [1, 2]}'), ("b", "{}")]),
     ("forced", "I cannot call tools.", "I cannot call tools.", []),
+    # gpt-oss (harmony); without a reasoning parser the analysis channel is content too
+    ("openai", '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary'
+     ' to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "Need weather.",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("openai", ' to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>', None, [("get_time", "{}")]),
+    ("openai", "<|channel|>final<|message|>Paris.<|return|>", "Paris.", []),
+    ("openai", "Paris.", "Paris.", []),
 ]
 
 
@@ -124,11 +131,13 @@ def test_every_character_its_own_delta():
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "call>", "[TOOL_CALLS]", "[ARGS]", "[TOOL",
              "<|python_tag|>", "<think>", "</think>", "</th", "{", "}", "[", "]", '"name"', '"arguments"',
              '"parameters"', ":", ",", ";", '"f"', '"x\\"y"', "1", "-2.5", "true", "null", "\n", " ",
-             "Hello", "a<b", '\\', '"', WEATHER, TIME, "get_weather", "x"]
+             "Hello", "a<b", '\\', '"', WEATHER, TIME, "get_weather", "x",
+             "<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|call|>", "<|", "analysis", "final",
+             "commentary", " to=functions.f", "to="]
 
 
 @pytest.mark.parametrize("name", [*TOOL_PARSERS, "forced", ""])
-@pytest.mark.parametrize("reasoning", [None, "deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("reasoning", [None, "deepseek_r1", "qwen3", "gpt_oss"])
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_stream_equals_whole_for_any_text(name, reasoning, data):
@@ -167,6 +176,10 @@ REASONING_CASES = [
     ("qwen3", "Paris.", "", "Paris."),
     ("qwen3", "<think>cut off", "cut off", ""),
     ("qwen3", "Paris </thin", "", "Paris </thin"),
+    ("gpt_oss", "<|channel|>analysis<|message|>Paris is in France.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Paris.", "Paris is in France.", "Paris."),
+    ("gpt_oss", "<|channel|>analysis<|message|>cut off", "cut off", ""),
+    ("gpt_oss", "Paris.", "", "Paris."),
 ]
 
 
@@ -190,6 +203,14 @@ def test_reasoning_then_tool_call():
     parser = parser_for("hermes", "qwen3")
     assert whole(parser, text) == ("The user wants weather.", "",
                                    [("get_weather", '{"city": "Paris", "unit": "celsius"}')])
+    assert streamed(parser, text, list(range(len(text)))) == whole(parser, text)
+
+
+def test_harmony_reasoning_then_tool_call():
+    text = ('<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant to=functions.'
+            'get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    parser = parser_for("openai", "gpt_oss")
+    assert whole(parser, text) == ("The user wants weather.", "", [("get_weather", '{"city": "Paris"}')])
     assert streamed(parser, text, list(range(len(text)))) == whole(parser, text)
 
 

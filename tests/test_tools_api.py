@@ -348,6 +348,27 @@ def test_mistral_keeps_special_tokens(tokenizer):
     assert engine.params.skip_special_tokens is True
 
 
+def test_harmony_answer_is_split_and_keeps_special_tokens(tokenizer):
+    """gpt-oss: the harmony parsers ask for the markers (special tokens) to be kept; the
+    analysis channel is the reasoning, the call addressed to functions.* the tool call,
+    streamed or not."""
+    c, engine = make_client(tokenizer, ChatOptions(True, "openai", "gpt_oss"))
+    engine.script = ["<|channel|>analysis<|message|>Need the", " weather.<|end|><|start|>assistant",
+                     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+                     '{"city": ', '"Paris"}<|call|>']
+    r = chat(c, tools=[WEATHER]).json()["choices"][0]
+    assert engine.params.skip_special_tokens is False
+    assert r["message"]["reasoning_content"] == "Need the weather."
+    assert r["message"]["content"] is None and r["finish_reason"] == "tool_calls"
+    (call,) = r["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    engine.script = ["<|channel|>analysis<|message|>Greet back.<|end|>",
+                     "<|start|>assistant<|channel|>final<|message|>Hi", "!"]
+    assert chat(c).json()["choices"][0]["message"] == {
+        "role": "assistant", "content": "Hi!", "reasoning_content": "Greet back."}
+    assert engine.params.skip_special_tokens is False  # the reasoning parser alone asks too
+
+
 # ---------------------------------------------------------------------- flags
 def test_flags_build_chat_options():
     parser = make_arg_parser()

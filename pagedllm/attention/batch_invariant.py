@@ -85,6 +85,7 @@ class BatchInvariantAttention:
     name = "batch_invariant"
     supports_alibi = True
     supports_softcap = True
+    supports_sinks = True
     prefill_tile_q = 0
     long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
 
@@ -104,6 +105,7 @@ class BatchInvariantAttention:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,  # scores -> cap * tanh(score / cap) (Gemma 2)
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         dev = q.device
@@ -118,8 +120,13 @@ class BatchInvariantAttention:
         # [nt, TILE_Q, Hkv, group, D] -> [nt, Hkv, group * TILE_Q, D]: one matrix per KV head.
         qt = q.float().index_select(0, plan.rows).view(nt, TILE_Q, hkv, group, dim)
         qt = qt.permute(0, 2, 3, 1, 4).reshape(nt, hkv, rows, dim)
-        m = torch.full((nt, hkv, rows), float("-inf"), device=dev)
-        l_sum = torch.zeros((nt, hkv, rows), device=dev)
+        if sinks is None:
+            m = torch.full((nt, hkv, rows), float("-inf"), device=dev)
+            l_sum = torch.zeros((nt, hkv, rows), device=dev)
+        else:  # a row starts at its head's sink logit, weight exp(0) = 1, value zero
+            m = sinks.float().view(hkv, group, 1).expand(hkv, group, TILE_Q).reshape(1, hkv, rows)
+            m = m.expand(nt, hkv, rows).clone()
+            l_sum = torch.ones((nt, hkv, rows), device=dev)
         acc = torch.zeros((nt, hkv, rows, dim), device=dev)
         slopes = None
         if alibi_slopes is not None:  # [Hq] -> per stacked row [Hkv, group * TILE_Q, 1]
@@ -158,7 +165,7 @@ class BatchInvariantAttention:
                 l_sum[sel] = l_sum.index_select(0, sel) * alpha + pv[..., dim]
                 acc[sel] = acc.index_select(0, sel) * alpha[..., None] + pv[..., :dim]
                 m[sel] = m_new
-        o = acc / l_sum[..., None]  # padded rows (nothing visible) are NaN and dropped
+        o = acc / l_sum[..., None]  # padded rows (nothing visible, no sink) are NaN and dropped
         o = o.view(nt, hkv, group, TILE_Q, dim).permute(0, 3, 1, 2, 4).reshape(nt * TILE_Q, hq, dim)
         out = torch.empty_like(q)
         out.index_copy_(0, plan.rows[plan.keep], o[plan.keep].to(q.dtype))

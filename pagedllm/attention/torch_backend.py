@@ -9,7 +9,9 @@ ALiBi models (Baichuan-13B) pass per-head slopes: the score of query i on key j 
 -m_h * (i - j) added after the 1/sqrt(d) scaling. Sliding-window layers (Mistral) pass the
 window W: query i sees keys i - W + 1 .. i. Gemma 2 soft-caps the scaled scores,
 cap * tanh(score / cap), before the mask: SDPA cannot, so those layers compute the scores
-themselves (in float32, as transformers' eager attention).
+themselves (in float32, as transformers' eager attention). Attention sinks (gpt-oss) pass one
+learned logit per head that joins each softmax's denominator and adds nothing to its
+numerator: a zero key whose score is the sink (an additive mask column) with a zero value.
 """
 
 from __future__ import annotations
@@ -38,27 +40,6 @@ def dequantize(pages: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
         return pages
     out = pages.to(dtype)
     return out if scale == 1.0 else out * scale
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool,
-          mask: torch.Tensor | None = None, causal: bool = False,
-          softcap: float | None = None) -> torch.Tensor:
-    """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D]; `mask` is boolean (True:
-    visible) or additive, `causal` aligns the last query with the last key."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                              enable_gqa=gqa)
-    if gqa:
-        group = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
-    if causal:
-        lq, lk = s.shape[-2:]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
 def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[tuple[torch.Tensor | None, int]]:
@@ -92,10 +73,63 @@ def _decode_groups(meta: AttentionMetadata, block_size: int) -> list[tuple[torch
     return plan
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         gqa: bool, sinks: torch.Tensor | None = None, is_causal: bool = False,
+         softcap: float | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, Lq, D] over k, v [B, Hkv, Lk, D]; `mask` is boolean (True:
+    visible) or additive, `is_causal` aligns the last query with the last key. With `sinks`
+    ([Hq] logits), each head's sink joins the softmax's denominator. With `softcap`, the
+    scaled scores become cap * tanh(score / cap) before the mask: SDPA cannot, so the scores
+    are computed here (in float32, as transformers' eager attention)."""
+    if softcap is not None:
+        return _softcapped(q, k, v, mask, scale, gqa, sinks, is_causal, softcap)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    # The sink as a zero key whose score is the mask column's value, with a zero value.
+    b, hq, lq, dim = q.shape
+    lk = k.shape[2]
+    if is_causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is None:
+        bias = q.new_zeros(1, 1, 1, lk)
+    elif mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    else:
+        bias = mask.to(q.dtype)
+    bias = bias.expand(b, hq, lq, lk)
+    sink = sinks.to(q.dtype).view(1, hq, 1, 1).expand(b, hq, lq, 1)
+    zero = k.new_zeros(b, k.shape[1], 1, dim)
+    return F.scaled_dot_product_attention(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2),
+                                          attn_mask=torch.cat([bias, sink], -1), scale=scale,
+                                          enable_gqa=gqa)
+
+
+def _softcapped(q, k, v, mask, scale: float, gqa: bool, sinks, is_causal: bool,
+                softcap: float) -> torch.Tensor:
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        lq, lk = s.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
 class TorchPagedAttention:
     name = "torch"
     supports_alibi = True
     supports_softcap = True
+    supports_sinks = True
     prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
     long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
 
@@ -124,6 +158,7 @@ class TorchPagedAttention:
         k_scale: float = 1.0,  # fp8 caches: the stored values are k / k_scale, v / v_scale
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,  # scores -> cap * tanh(score / cap) (Gemma 2)
+        sinks: torch.Tensor | None = None,  # [Hq] logits that join each softmax's denominator
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         fp8 = is_fp8(k_cache)
@@ -151,7 +186,7 @@ class TorchPagedAttention:
                 bias = alibi_slopes[None, :, None, None] * dist[:, None, None, :].float()
                 mask = bias.masked_fill(~mask, float("-inf")).to(q.dtype)
             qd = q[:nd] if rows is None else q.index_select(0, rows)
-            o = _sdpa(qd.unsqueeze(2), kc, vc, scale, gqa, mask=mask, softcap=logits_soft_cap).squeeze(2)
+            o = sdpa(qd.unsqueeze(2), kc, vc, mask, scale, gqa, sinks, softcap=logits_soft_cap).squeeze(2)
             if rows is None:
                 out[:nd] = o
             else:
@@ -170,7 +205,7 @@ class TorchPagedAttention:
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             windowed = sliding_window is not None and sliding_window < ctx
             if alibi_slopes is None and ctx == qlen and not windowed:
-                o = _sdpa(qs, ks, vs, scale, gqa, causal=True, softcap=logits_soft_cap)
+                o = sdpa(qs, ks, vs, None, scale, gqa, sinks, is_causal=True, softcap=logits_soft_cap)
             else:
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)
                 dist = torch.arange(ctx, device=q.device)[None, :] - qpos[:, None]
@@ -181,6 +216,6 @@ class TorchPagedAttention:
                 else:
                     mask = (alibi_slopes[:, None, None] * dist.float()).masked_fill(
                         dist > 0, float("-inf")).to(q.dtype).unsqueeze(0)
-                o = _sdpa(qs, ks, vs, scale, gqa, mask=mask, softcap=logits_soft_cap)
+                o = sdpa(qs, ks, vs, mask, scale, gqa, sinks, softcap=logits_soft_cap)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out

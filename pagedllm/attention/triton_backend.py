@@ -14,6 +14,8 @@ ALiBi models (Baichuan-13B) pass per-head slopes; the kernel adds -m_h * (i - j)
 score (ALIBI is a compile-time switch, so other models pay nothing). Sliding-window layers
 (Mistral) mask keys more than `window - 1` positions back and skip the pages before them.
 Gemma 2 soft-caps the scaled scores, cap * tanh(score / cap) (SOFTCAP, also compile-time).
+Attention sinks (gpt-oss; SINKS, a compile-time switch too) start each row's online softmax
+at its head's sink logit with a weight of one and no value: the sink joins the denominator.
 """
 
 from __future__ import annotations
@@ -60,14 +62,14 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes,
+    Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes, Sinks,
     scale_log2, v_scale, window, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -106,8 +108,12 @@ def _paged_attention_kernel(
 
     if ALIBI:  # per-row slope, in the log2 domain the scores live in
         slope = tl.load(Slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:  # the sink's score (log2 domain), weight exp2(0) = 1, value zero
+        m_i = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
     table = block_tables + seq.to(tl.int64) * stride_bt
@@ -157,6 +163,7 @@ class TritonPagedAttention:
     name = "triton"
     supports_alibi = True
     supports_softcap = True
+    supports_sinks = True
     graph_safe = True  # nothing in a launch reads the host: decode steps can be captured
     BLOCK_M_PREFILL = 64
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
@@ -181,7 +188,8 @@ class TritonPagedAttention:
     def _launch_args(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float,
                      alibi_slopes: torch.Tensor | None, sliding_window: int | None,
                      k_scale: float, v_scale: float,
-                     logits_soft_cap: float | None = None) -> tuple[tuple, dict]:
+                     logits_soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> tuple[tuple, dict]:
         """The kernel's arguments shared by the decode and the prefill launches."""
         hq, dim = q.shape[1], q.shape[2]
         fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -195,6 +203,7 @@ class TritonPagedAttention:
             stride_bt=meta.block_tables.stride(0),
             GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
             ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
+            Sinks=q if sinks is None else sinks, SINKS=sinks is not None,  # any pointer when unused
             **pdl.kernel_options(q),
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
@@ -203,13 +212,14 @@ class TritonPagedAttention:
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None):
+                k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
         group = q.shape[1] // hkv
         args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
-                                        sliding_window, k_scale, v_scale, logits_soft_cap)
+                                        sliding_window, k_scale, v_scale, logits_soft_cap, sinks)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
@@ -242,12 +252,13 @@ class TritonInvariantAttention(TritonPagedAttention):
     @classmethod
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
-                k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None):
+                k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None,
+                sinks: torch.Tensor | None = None):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
         args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
-                                        sliding_window, k_scale, v_scale, logits_soft_cap)
+                                        sliding_window, k_scale, v_scale, logits_soft_cap, sinks)
         common.update(BLOCK_M=cls.BLOCK_M, **cls.PREFILL_LAUNCH)
         slopes = q if alibi_slopes is None else alibi_slopes
         if meta.num_decode:

@@ -150,6 +150,38 @@ LLAMA31_8B_CONFIG: dict = {
 }
 
 
+# gpt-oss-20b's published config, its MXFP4 experts included: on CUDA the dummy loader
+# fills them packed with random codes, as the checkpoint's are kept (models/gpt_oss.py).
+GPT_OSS_20B_CONFIG: dict = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "vocab_size": 201088,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "rope_theta": 150000.0,
+    "rms_norm_eps": 1e-5,
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+    "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     """One named row of the benchmark table: what to load and which requests to send."""
@@ -196,6 +228,8 @@ WORKLOADS: dict[str, Workload] = {
                               (128000, 128000), (1, 1), 1, 1),
     "gpu-dsv2-lite": Workload("gpu-dsv2-lite", DEEPSEEK_V2_LITE_CONFIG, "dummy", "bfloat16", 256,
                               (1000, 1000), (1000, 1000), 64, 64),
+    "gpu-oss-20b": Workload("gpu-oss-20b", GPT_OSS_20B_CONFIG, "dummy", "bfloat16", 256,
+                            (256, 256), (256, 256), 64, 64),
     "cpu-smol": Workload("cpu-smol", None, "auto", "float32", 16,
                          (32, 256), (128, 128), 16, 16),
 }

@@ -161,7 +161,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    help="name(s) clients use for the model (default: last component of the path)")
     m.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
                                        "bf16"], help=_default("dtype"))
-    m.add_argument("--quantization", help="quantization method of the checkpoint: gptq|awq|gguf|fp8 "
+    m.add_argument("--quantization", help="quantization method of the checkpoint: gptq|awq|gguf|fp8|mxfp4 "
                    "(default: detected); fp8 on a float checkpoint quantizes it at load")
     m.add_argument("--load-format", choices=["auto", "safetensors", "pt", "gguf", "dummy"],
                    help=_default("load_format"))

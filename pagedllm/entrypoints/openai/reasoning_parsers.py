@@ -6,12 +6,17 @@ Like the tool parsers, `parse(text, final)` sees the text so far: while not fina
 back what could still be the start of a tag, so the parse of a prefix is always a prefix of
 the parse of the whole, and a stream that re-parses and sends the difference ends with
 exactly the non-streaming answer. Text after `</think>` loses its leading whitespace (the
-newlines the templates put there)."""
+newlines the templates put there).
+
+gpt-oss writes the harmony format instead of tags (HarmonyReasoningParser): messages on the
+`analysis` channel are reasoning, those on `final` (and user-visible `commentary` preambles)
+content; its markers are special tokens, so the parser asks for them to be kept."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .harmony import CHANNEL, MESSAGE, START, harmony_messages
 from .tool_parsers.base import partial_marker
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -25,6 +30,7 @@ class ParsedReasoning:
 
 class ReasoningParser:
     name = ""
+    keeps_special_tokens = False  # its markers are special tokens the detokenizer must keep
 
     def parse(self, text: str, final: bool) -> ParsedReasoning:
         raise NotImplementedError
@@ -71,9 +77,34 @@ class Qwen3ReasoningParser(ReasoningParser):
         return ParsedReasoning(rest[:e] or None, before + (after.lstrip() if not before else after))
 
 
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss (harmony): the `analysis` channel is reasoning; `final` and `commentary`
+    messages are content. A tool call (a message with a `to=functions.NAME` recipient) is
+    passed on to the content as the message `<|start|>assistant<|channel|>commentary
+    to=functions.NAME<|message|>ARGS` (plus `<|call|>` once complete), for the harmony tool
+    parser (tool_parsers/harmony.py)."""
+
+    name = "gpt_oss"
+    keeps_special_tokens = True
+
+    def parse(self, text: str, final: bool) -> ParsedReasoning:
+        reasoning, content = [], []
+        for msg in harmony_messages(text, final):
+            if msg.recipient is not None:
+                content.append(f"{START}assistant{CHANNEL}{msg.channel} to={msg.recipient}{MESSAGE}"
+                               f"{msg.body}" + ("<|call|>" if msg.complete else ""))
+            elif msg.channel == "analysis":
+                reasoning.append(msg.body)
+            else:
+                content.append(msg.body)
+        joined = "\n".join(reasoning)
+        return ParsedReasoning(joined or None, "".join(content))
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)
 }
+REASONING_PARSERS["openai_gptoss"] = HarmonyReasoningParser  # vLLM's name for it
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:

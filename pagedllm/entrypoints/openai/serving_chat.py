@@ -84,6 +84,8 @@ class OpenAIServingChat(OpenAIServing):
         reasoning = (get_reasoning_parser(self.options.reasoning_parser)
                      if self.options.reasoning_parser and params.structured_outputs is None
                      else None)
+        if reasoning is not None and reasoning.keeps_special_tokens:
+            params.skip_special_tokens = False  # harmony's channels are special tokens
         parser = (OutputParser(reasoning, plan.parser, plan.single_call)
                   if reasoning is not None or plan.parser is not None else None)
         request_id = random_id("chatcmpl")

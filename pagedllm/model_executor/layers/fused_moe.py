@@ -13,9 +13,13 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    expert, BLOCK_M pairs gathered from x by token) and BLOCK_N columns of the expert's
    intermediate size, multiplies by the gate and the up rows of that expert together (two
    accumulators over the same x tile) and writes silu(gate) * up: the [T*k, 2I] gate|up
-   product never reaches memory.
+   product never reaches memory. gpt-oss adds each expert's gate and up biases and applies
+   its clamped SwiGLU instead (BIAS and SWIGLU are compile-time switches, so other models
+   run the kernel they had).
 3. `_down_kernel`: the second grouped GEMM, [T*k, I] by each block's expert's down
-   projection, every row scaled by its routing weight.
+   projection (plus its bias, for gpt-oss), every row scaled by its routing weight.
+   gpt-oss's MXFP4 experts can stay packed (MXFP4, a third switch): each K tile of a weight
+   is read as bytes and exponents and dequantized in registers before its dot product.
 4. The k rows of a token are summed (a [T, k, H] reduction).
 
 Programs whose block lies past the used length return at once, so a decode step with 8
@@ -116,9 +120,38 @@ if triton is not None:
         return live, e, pair, pair < num_pairs, pid % n_tiles
 
     @triton.jit
-    def _gate_up_kernel(X, W, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
-                        sxm, sxk, swe, swn, swk, som, son, IEEE: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    def _e2m1(c):
+        """The values of 4-bit e2m1 codes (sign, 2 exponent bits, 1 mantissa bit)."""
+        c = c.to(tl.int32)
+        e = (c >> 1) & 3
+        m = (c & 1).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+        return tl.where((c & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _mxfp4_tile(W, S, rn, k0, K, N, swn, ssn, DTYPE: tl.constexpr, BK: tl.constexpr,
+                    BN: tl.constexpr):
+        """Inputs k0 .. k0+BK of rows `rn` of one expert's MXFP4 [N, K] weight (W: its bytes,
+        two values each, low nibble first; S: one e8m0 exponent per 32 values) as a [BK, BN]
+        tile of DTYPE values. BK is a multiple of 32."""
+        rn64 = rn.to(tl.int64)
+        n_ok = rn < N
+        rb = k0 // 2 + tl.arange(0, BK // 2)
+        packed = tl.load(W + rn64[:, None] * swn + rb[None, :],
+                         mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
+        vals = tl.interleave(_e2m1(packed & 15), _e2m1(packed >> 4))  # [BN, BK]
+        rs = k0 // 32 + tl.arange(0, BK // 32)
+        sc = tl.load(S + rn64[:, None] * ssn + rs[None, :], mask=n_ok[:, None] & (rs < K // 32)[None, :],
+                     other=127)
+        scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(sc - 127), exactly
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, BK // 32, 32)), (BN, BK))
+        return tl.trans(vals * scale).to(DTYPE)
+
+    @triton.jit
+    def _gate_up_kernel(X, W, S, B, Out, SortedIds, BlockExpert, Used, num_pairs, H, N, top_k,
+                        sxm, sxk, swe, swn, swk, sse, ssn, sbe, som, son, alpha, limit,
+                        IEEE: tl.constexpr, BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+                        MXFP4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         live, e, pair, valid, pn = _block(SortedIds, BlockExpert, Used, num_pairs, N, BM, BN)
         if not live:
             return
@@ -126,32 +159,55 @@ if triton is not None:
         rn = pn * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         a_ptr = X + tok[:, None] * sxm + rk[None, :] * sxk
-        g_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
-        u_ptr = g_ptr + N * swn
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            kin = rk + k0 < H
-            a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
-            wmask = kin[:, None] & (rn[None, :] < N)
-            g = tl.load(g_ptr, mask=wmask, other=0.0)
-            u = tl.load(u_ptr, mask=wmask, other=0.0)
-            if IEEE:  # float32 weights: full precision (tl.dot's float32 default is TF32)
-                acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, g, acc_g)
-                acc_u = tl.dot(a, u, acc_u)
-            a_ptr += BK * sxk
-            g_ptr += BK * swk
-            u_ptr += BK * swk
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if MXFP4:  # packed weights, dequantized tile by tile
+            for k0 in range(0, H, BK):
+                a = tl.load(a_ptr, mask=valid[:, None] & (rk + k0 < H)[None, :], other=0.0)
+                g = _mxfp4_tile(W + e * swe, S + e * sse, rn, k0, H, N, swn, ssn, X.dtype.element_ty, BK, BN)
+                u = _mxfp4_tile(W + e * swe + N * swn, S + e * sse + N * ssn, rn, k0, H, N, swn, ssn,
+                                X.dtype.element_ty, BK, BN)
+                if IEEE:
+                    acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(a, g, acc_g)
+                    acc_u = tl.dot(a, u, acc_u)
+                a_ptr += BK * sxk
+        else:
+            g_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
+            u_ptr = g_ptr + N * swn
+            for k0 in range(0, H, BK):
+                kin = rk + k0 < H
+                a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
+                wmask = kin[:, None] & (rn[None, :] < N)
+                g = tl.load(g_ptr, mask=wmask, other=0.0)
+                u = tl.load(u_ptr, mask=wmask, other=0.0)
+                if IEEE:  # float32 weights: full precision (tl.dot's float32 default is TF32)
+                    acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+                    acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(a, g, acc_g)
+                    acc_u = tl.dot(a, u, acc_u)
+                a_ptr += BK * sxk
+                g_ptr += BK * swk
+                u_ptr += BK * swk
+        if BIAS:  # B: [E, 2I], gate biases then up biases
+            acc_g += tl.load(B + e * sbe + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(B + e * sbe + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         o_ptr = Out + pair[:, None].to(tl.int64) * som + rn[None, :] * son
         tl.store(o_ptr, h.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit
-    def _down_kernel(A, W, Out, SortedIds, BlockExpert, Used, Weights, num_pairs, K, N,
-                     sam, sak, swe, swn, swk, som, son, IEEE: tl.constexpr,
+    def _down_kernel(A, W, S, B, Out, SortedIds, BlockExpert, Used, Weights, num_pairs, K, N,
+                     sam, sak, swe, swn, swk, sse, ssn, sbe, som, son, IEEE: tl.constexpr,
+                     BIAS: tl.constexpr, MXFP4: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         live, e, pair, valid, pn = _block(SortedIds, BlockExpert, Used, num_pairs, N, BM, BN)
         if not live:
@@ -160,18 +216,30 @@ if triton is not None:
         rn = pn * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         a_ptr = A + rows[:, None] * sam + rk[None, :] * sak
-        w_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kin = rk + k0 < K
-            a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
-            w = tl.load(w_ptr, mask=kin[:, None] & (rn[None, :] < N), other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-            a_ptr += BK * sak
-            w_ptr += BK * swk
+        if MXFP4:
+            for k0 in range(0, K, BK):
+                a = tl.load(a_ptr, mask=valid[:, None] & (rk + k0 < K)[None, :], other=0.0)
+                w = _mxfp4_tile(W + e * swe, S + e * sse, rn, k0, K, N, swn, ssn, A.dtype.element_ty, BK, BN)
+                if IEEE:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+                a_ptr += BK * sak
+        else:
+            w_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
+            for k0 in range(0, K, BK):
+                kin = rk + k0 < K
+                a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
+                w = tl.load(w_ptr, mask=kin[:, None] & (rn[None, :] < N), other=0.0)
+                if IEEE:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+                a_ptr += BK * sak
+                w_ptr += BK * swk
+        if BIAS:
+            acc += tl.load(B + e * sbe + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         wt = tl.load(Weights + rows, mask=valid, other=0.0).to(tl.float32)
         acc = acc * wt[:, None]
         o_ptr = Out + rows[:, None] * som + rn[None, :] * son
@@ -238,14 +306,15 @@ def _tuned() -> dict:
         return {}
 
 
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter},k={top_k}"
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, mxfp4: bool = False) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}" + (",mxfp4" if mxfp4 else "")
 
 
-def pick_config(pairs: int, num_experts: int, hidden: int, inter: int, top_k: int) -> dict:
-    """Tile sizes for one call: the tuned entry for this shape at the nearest tuned token
-    count, else by the number of pairs each expert gets on average."""
-    table = _tuned().get(shape_key(num_experts, hidden, inter, top_k))
+def pick_config(pairs: int, num_experts: int, hidden: int, inter: int, top_k: int,
+                mxfp4: bool = False) -> dict:
+    """Tile sizes for one call: the tuned entry for this shape (and weight format) at the
+    nearest tuned token count, else by the number of pairs each expert gets on average."""
+    table = _tuned().get(shape_key(num_experts, hidden, inter, top_k, mxfp4))
     tokens = max(1, pairs // top_k)
     counts = [t for t in (table or {}) if t.isdigit()]  # "_card": where it was tuned
     if counts:
@@ -277,10 +346,18 @@ INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, config: dict | None = None, invariant: bool = False) -> torch.Tensor:
+                  ids: torch.Tensor, config: dict | None = None, invariant: bool = False,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  swiglu: tuple[float, float] | None = None, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for
     x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. `invariant`: one
-    fixed tile configuration and the k rows summed in order (batch-invariant mode)."""
+    fixed tile configuration and the k rows summed in order (batch-invariant mode).
+    gpt-oss: biases b13 [E, 2I] (gate then up) and b2 [E, H], and `swiglu` = (alpha,
+    limit) for its clamped SwiGLU in place of silu(gate) * up. MXFP4 experts (gpt-oss's
+    published format, kept packed): w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8 (two e2m1
+    values a byte, low nibble first) with w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32]
+    (uint8 e8m0 exponents, one per 32 values), dequantized tile by tile in the kernels."""
     if invariant:
         config = INVARIANT_CONFIG
     tokens, hidden = x.shape
@@ -288,21 +365,30 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     inter = two_i // 2
     top_k = ids.shape[1]
     pairs = tokens * top_k
-    cfg = config or pick_config(pairs, num_experts, hidden, inter, top_k)
+    mxfp4 = w13_scale is not None
+    cfg = config or pick_config(pairs, num_experts, hidden, inter, top_k, mxfp4)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    if mxfp4:
+        bk = max(bk, 32)  # whole scale blocks per K tile
     launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
     ieee = x.dtype == torch.float32
     sorted_ids, block_expert, used = align_pairs(ids, num_experts, bm)
     blocks = sorted_ids.numel() // bm
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    alpha, limit = swiglu or (1.0, 0.0)
+    s13 = w13 if w13_scale is None else w13_scale  # any pointer when unused
     _gate_up_kernel[(blocks * triton.cdiv(inter, bn),)](
-        x, w13, h, sorted_ids, block_expert, used, pairs, hidden, inter, top_k,
-        *x.stride(), *w13.stride(), *h.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
+        x, w13, s13, w13 if b13 is None else b13, h, sorted_ids, block_expert, used, pairs, hidden,
+        inter, top_k, *x.stride(), *w13.stride(), *s13.stride()[:2], 0 if b13 is None else b13.stride(0),
+        *h.stride(), float(alpha), float(limit), IEEE=ieee, BIAS=b13 is not None,
+        SWIGLU=swiglu is not None, MXFP4=mxfp4, BM=bm, BN=bn, BK=bk, **launch)
     out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1)
+    s2 = w2 if w2_scale is None else w2_scale
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
-        h, w2, out, sorted_ids, block_expert, used, flat_w, pairs, inter, hidden,
-        *h.stride(), *w2.stride(), *out.stride(), IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch)
+        h, w2, s2, w2 if b2 is None else b2, out, sorted_ids, block_expert, used, flat_w, pairs, inter,
+        hidden, *h.stride(), *w2.stride(), *s2.stride()[:2], 0 if b2 is None else b2.stride(0),
+        *out.stride(), IEEE=ieee, BIAS=b2 is not None, MXFP4=mxfp4, BM=bm, BN=bn, BK=bk, **launch)
     rows = out.view(tokens, top_k, hidden)
     if not invariant:
         return rows.sum(1)

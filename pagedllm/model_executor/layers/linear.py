@@ -55,6 +55,8 @@ def weight_method_for(quant: QuantConfig | None) -> WeightMethod:
     """A fresh weight method for one layer of a checkpoint quantized as `quant`."""
     if quant is None:
         return DenseMethod()
+    if quant.method not in _WEIGHT_METHODS:  # mxfp4: gpt-oss experts, read by that model
+        raise ValueError(f"{quant.method} checkpoints are supported for gpt-oss only (its MoE experts)")
     return _WEIGHT_METHODS[quant.method](quant)
 
 

@@ -117,12 +117,16 @@ def _dummy_weights(model: torch.nn.Module, seed: int) -> None:
         return generators[device]
 
     linear = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+    # Other modules that store packed weights fill themselves too (gpt-oss MXFP4 experts).
+    own = {n: m for n, m in model.named_modules() if hasattr(m, "fill_random") and n not in linear}
     with torch.no_grad():
         for m in linear.values():
             m.fill_random(generator(next(m.parameters()).device))
             m.finish_loading()
+        for m in own.values():
+            m.fill_random(generator(next(m.parameters()).device))
         for name, p in model.named_parameters():
-            if name.rpartition(".")[0] in linear:
+            if name.rpartition(".")[0] in linear or name.rpartition(".")[0] in own:
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -138,6 +142,8 @@ def load_model(source: ModelSource, hf_config, max_positions: int, backend, devi
     that contradicts the checkpoint is an error (see resolve_quant_config)."""
     arch, cls = resolve_architecture(hf_config)
     quant = resolve_quant_config(quantization, source.kind, source.load_format, source.path, hf_config)
+    if quant is not None and quant.method == "mxfp4" and device.type != "cuda":
+        quant = None  # no kernel computes from packed MXFP4 here: the experts are dequantized at load
     if source.kind == "gguf" and source.load_format == "gguf":
         # Q4_0/Q8_0 linear layers stay packed where a kernel computes from them (CUDA).
         quant = gguf_quant_config(source.path, device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedllm.model_executor.models.deepseek import DeepseekForCausalLM
 from pagedllm.model_executor.models.glm import GlmForCausalLM
+from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.models.moe import MOE_ARCHITECTURES, MoeForCausalLM
 from pagedllm.model_executor.models.remote_code import REMOTE_CODE_FAMILY, RemoteCodeForCausalLM
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type] = {
     **{arch: MoeForCausalLM for arch in MOE_ARCHITECTURES},
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,  # multi-head latent attention + MoE
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,  # the MoE decoder, with its expert layouts
     # remote-code checkpoints, read without running their code (models/remote_code.py)
     **{arch: RemoteCodeForCausalLM for arch in REMOTE_CODE_FAMILY},
 }

@@ -30,6 +30,12 @@ class MoeSpec:
     # Expert outputs scaled by the float32 routing weights (Mixtral) or by weights cast to
     # the activations' dtype first (Qwen).
     weights_in_fp32: bool
+    router_bias: bool = False  # the router (gpt-oss `mlp.router`) has a bias
+    expert_bias: bool = False  # each expert's gate/up and down projections have biases
+    # "silu": silu(gate) * up; "clamped_swiglu" (gpt-oss): gate clamped above and up on both
+    # sides at the config's `swiglu_limit`, then gate * sigmoid(alpha * gate) * (up + 1)
+    # with alpha the config's `swiglu_alpha`.
+    activation: str = "silu"
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class ArchSpec:
     sandwich_norm: bool = False
     # Interleaved-pair rotary (GPT-J style) on `partial_rotary_factor` of the head (GLM).
     rotary_interleaved: bool = False
+    # A learned logit per head that joins every softmax's denominator (gpt-oss `sinks`).
+    attention_sinks: bool = False
     moe: MoeSpec | None = None
     # Gemma: RMSNorm scales by (1 + weight), in float32 before the cast back; the token
     # embeddings are multiplied by sqrt(hidden_size) in the activations' dtype.
@@ -105,6 +113,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # rope on interleaved pairs (V3: unless the config's rope_interleave says otherwise)
     "DeepseekV2ForCausalLM": ArchSpec(mla=True, rotary_interleaved=True),
     "DeepseekV3ForCausalLM": ArchSpec(mla=True, rotary_interleaved=True),
+    # top-k of the logits then a softmax over those k: the same as a softmax, top-k and
+    # renormalising, which is how the MoE block routes
+    "GptOssForCausalLM": ArchSpec(attention_sinks=True, moe=MoeSpec(
+        "num_local_experts", "intermediate_size", renormalise=True, weights_in_fp32=False,
+        router_bias=True, expert_bias=True, activation="clamped_swiglu")),
     # remote-code checkpoints (models/remote_code.py): switches come with the translated config
     "InternLMForCausalLM": LLAMA,
     "InternLM2ForCausalLM": LLAMA,

@@ -162,7 +162,7 @@ class Attention(nn.Module):
         self.scale = s.attn_scale
         # Only passed when set, so backends without soft-capping keep their signature.
         self.extra = {"logits_soft_cap": s.attn_softcap} if s.attn_softcap else {}
-        if s.attn_softcap and not getattr(backend, "supports_softcap", False):
+        if s.attn_softcap and backend is not None and not getattr(backend, "supports_softcap", False):
             raise NotImplementedError(f"attention logit soft-capping (Gemma 2) needs an attention "
                                       f"backend with it; {backend.name!r} has none")
         # what a token costs in this layer's pages: K and V of this rank's KV heads
@@ -172,6 +172,12 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         if window is not None and s.alibi:
             raise NotImplementedError("ALiBi with a sliding window")
+        self.sinks = None
+        if s.spec.attention_sinks:  # every head's, replicated; a rank reads its own heads'
+            if backend is not None and not getattr(backend, "supports_sinks", False):  # None: sizing only
+                raise NotImplementedError(f"attention sinks (gpt-oss) need an attention backend with "
+                                          f"sinks; {backend.name!r} has none")
+            self.sinks = nn.Parameter(torch.empty(s.total_num_heads))
         if s.alibi and not getattr(backend, "supports_alibi", False):
             raise NotImplementedError(
                 f"ALiBi models (Baichuan-13B) need an attention backend with ALiBi; "
@@ -188,9 +194,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not s.alibi:
             q, k = self.rotary(positions, q, k)
+            extra = self.extra
+            if self.sinks is not None:
+                extra = dict(extra)
+                extra["sinks"] = self.sinks[s.head_start : s.head_start + s.num_heads]
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                      sliding_window=self.window, k_scale=self.k_scale,
-                                     v_scale=self.v_scale, **self.extra)
+                                     v_scale=self.v_scale, **extra)
         else:
             slopes = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
             o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,

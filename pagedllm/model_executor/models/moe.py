@@ -49,6 +49,24 @@ _FUSED = re.compile(r"(.+\.mlp)\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
 _KIND = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
+class Activation:
+    """What an expert computes from its gate and up rows: silu(gate) * up, or gpt-oss's
+    clamped SwiGLU (the gate clamped above at `limit`, up on both sides, then
+    (up + 1) * gate * sigmoid(alpha * gate)), in transformers' order of operations."""
+
+    def __init__(self, kind: str = "silu", alpha: float = 1.702, limit: float = 7.0):
+        if kind not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"unknown expert activation {kind!r}")
+        self.kind, self.alpha, self.limit = kind, float(alpha), float(limit)
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return batch_invariant.elementwise(F.silu, gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * batch_invariant.elementwise(torch.sigmoid, gate * self.alpha))
+
+
 class SparseMoeBlock(nn.Module):
     """Router + stacked experts (+ the optional gated shared expert).
 
@@ -59,7 +77,9 @@ class SparseMoeBlock(nn.Module):
     checks_own_loading = True  # llama.load_weights leaves w13/w2 to `missing_pieces`
 
     def __init__(self, s: ModelShape, num_experts: int, top_k: int, intermediate: int,
-                 norm_topk_prob: bool, weights_in_fp32: bool, shared_intermediate: int = 0):
+                 norm_topk_prob: bool, weights_in_fp32: bool, shared_intermediate: int = 0,
+                 activation: Activation | None = None, router_bias: bool = False,
+                 expert_bias: bool = False):
         super().__init__()
         if top_k > num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) > number of experts ({num_experts})")
@@ -70,9 +90,16 @@ class SparseMoeBlock(nn.Module):
         self.full_inter = intermediate
         self.inter = divide(intermediate, get_tp_world_size(), "moe intermediate size")
         self.start = get_tp_rank() * self.inter
-        self.gate = ReplicatedLinear(s.hidden, num_experts, bias=False)  # the router
+        self.gate = ReplicatedLinear(s.hidden, num_experts, bias=router_bias)  # the router
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, s.hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, s.hidden, self.inter))
+        self.act = activation or Activation()
+        # Expert biases (gpt-oss): b13 this rank's gate then up rows; b2 the down projection's,
+        # held by rank 0 only (zeros elsewhere) so that the all-reduce adds it once.
+        self.b13 = self.b2 = None
+        if expert_bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter))
+            self.b2 = nn.Parameter(torch.empty(num_experts, s.hidden))
         self.shared_expert = None
         if shared_intermediate:
             shared = copy.copy(s)
@@ -95,8 +122,12 @@ class SparseMoeBlock(nn.Module):
         return (weights if self.weights_in_fp32 else weights.to(x.dtype)), ids
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = batch_invariant.linear(h, self.w13[e]).split(self.inter, dim=-1)
-        return batch_invariant.linear(batch_invariant.elementwise(F.silu, gate) * up, self.w2[e])
+        gate_up = batch_invariant.linear(h, self.w13[e])
+        if self.b13 is not None:
+            gate_up = gate_up + self.b13[e]
+        gate, up = gate_up.split(self.inter, dim=-1)
+        out = batch_invariant.linear(self.act(gate, up), self.w2[e])
+        return out if self.b2 is None else out + self.b2[e]
 
     def experts_sparse(self, x, weights, ids) -> torch.Tensor:
         """Each expert runs on the tokens routed to it only (one host sync for the counts)."""
@@ -122,16 +153,22 @@ class SparseMoeBlock(nn.Module):
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         combine.scatter_(1, ids, weights)
         gate_up = torch.einsum("th,eih->eti", x, self.w13)
+        if self.b13 is not None:
+            gate_up = gate_up + self.b13[:, None, :]
         gate, up = gate_up.split(self.inter, dim=-1)
-        y = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.w2)
+        y = torch.einsum("eti,ehi->eth", self.act(gate, up), self.w2)
+        if self.b2 is not None:
+            y = y + self.b2[:, None, :]
         return torch.einsum("eth,te->th", y.to(combine.dtype), combine).to(x.dtype)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's part of the weighted sum of the chosen experts (not yet all-reduced):
         fused kernels on CUDA, else the sparse loop (the dense form inside a CUDA graph)."""
         if fused_moe.available(x):
+            swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
             return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids,
-                                           invariant=batch_invariant.is_enabled())
+                                           invariant=batch_invariant.is_enabled(), b13=self.b13,
+                                           b2=self.b2, swiglu=swiglu)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         return (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
 
@@ -164,15 +201,37 @@ class SparseMoeBlock(nn.Module):
                 self.w13[e, off : off + self.inter].copy_(read_block(tensor, cut))
         self._loaded.add((e, kind))
 
+    def load_expert_bias(self, e: int, kind: str, tensor) -> None:
+        """One bias of expert e (`kind` gate / up / down, full size): this rank's part of
+        the gate and up biases; the down bias on rank 0, zeros on the others."""
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"expert {e} out of range (the config has {self.num_experts})")
+        want = (self.w2.shape[1],) if kind == "down" else (self.full_inter,)
+        if shape_of(tensor) != want:
+            raise ValueError(f"expert {e} {kind} bias: checkpoint shape {shape_of(tensor)} != {want}")
+        with torch.no_grad():
+            if kind == "down":
+                if get_tp_rank() == 0:
+                    self.b2[e].copy_(read_block(tensor))
+                else:
+                    self.b2[e].zero_()
+            else:
+                off = 0 if kind == "gate" else self.inter
+                self.b13[e, off : off + self.inter].copy_(read_block(tensor, slice(self.start, self.start + self.inter)))
+        self._loaded.add((e, f"{kind}_bias"))
+
     def missing_pieces(self) -> list[tuple[int, str]]:
-        return [(e, k) for e in range(self.num_experts) for k in ("gate", "up", "down")
-                if (e, k) not in self._loaded]
+        kinds = ("gate", "up", "down")
+        if self.b13 is not None:
+            kinds += ("gate_bias", "up_bias", "down_bias")
+        return [(e, k) for e in range(self.num_experts) for k in kinds if (e, k) not in self._loaded]
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """Serves MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM."""
 
-    def __init__(self, config, architecture: str, max_positions: int, backend, quant=None):
+    def __init__(self, config, architecture: str, max_positions: int, backend, quant=None,
+                 block_cls: type[SparseMoeBlock] | None = None):
         if quant is not None:
             raise ValueError(f"quantized {architecture} checkpoints are not supported "
                              "(float weights only)")
@@ -186,10 +245,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         dense_only = set(getattr(config, "mlp_only_layers", None) or [])
         sparse = {i for i in range(s.num_layers)
                   if i not in dense_only and num_experts > 0 and (i + 1) % step == 0}
+        act = Activation(moe.activation, getattr(config, "swiglu_alpha", 1.702),
+                         getattr(config, "swiglu_limit", 7.0))
         for i in sorted(sparse):
-            self.model.layers[i].mlp = SparseMoeBlock(
+            self.model.layers[i].mlp = (block_cls or SparseMoeBlock)(
                 s, num_experts, config.num_experts_per_tok, inter, norm,
-                weights_in_fp32=moe.weights_in_fp32, shared_intermediate=shared)
+                weights_in_fp32=moe.weights_in_fp32, shared_intermediate=shared, activation=act,
+                router_bias=moe.router_bias, expert_bias=moe.expert_bias)
 
     def _route_expert_tensors(self, weights: Iterable[tuple[str, torch.Tensor]],
                               blocks: dict[str, SparseMoeBlock]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from .base import ParsedTools, ToolCallText, ToolParser
 from .forced import ForcedToolParser
+from .harmony import HarmonyToolParser
 from .hermes import HermesToolParser
 from .llama3_json import Llama3JsonToolParser
 from .mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)
 }
 
 __all__ = ["TOOL_PARSERS", "ForcedToolParser", "ParsedTools", "ToolCallText", "ToolParser",

@@ -22,6 +22,10 @@ FP8 (e4m3) checkpoints come in three published spellings, all method "fp8" here:
   way) the scale is one per tensor, named `weight_scale` or `weight_scale_inv`.
 - transformers fbgemm_fp8: `{"quant_method": "fbgemm_fp8"}`; `weight` and `weight_scale`
   [out, 1] float32.
+MXFP4 (gpt-oss): `{"quant_method": "mxfp4"}` quantizes the MoE experts only: tensors
+`*_blocks` (uint8, two e2m1 values a byte, 32 values a block) and `*_scales` (uint8 e8m0
+exponents, bias 127). The model reads them itself (models/gpt_oss.py) and its linear layers
+stay float.
 Static activation scales that some of them carry (`input_scale`, `activation_scale`,
 `input_scale_ub`) are read and ignored: activations are always quantized per token, at run
 time, which is at least as fine as one calibrated scale per tensor.
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 # Values accepted for EngineConfig.quantization ("gguf" names the GGUF loader: dequantized at
 # load, or Q4_0/Q8_0 linear layers kept packed on CUDA, see loader/gguf_file.py).
-METHODS = ("gptq", "awq", "gguf", "fp8")
+METHODS = ("gptq", "awq", "gguf", "fp8", "mxfp4")
 _SIDE_FILES = ("quantize_config.json", "quant_config.json")
 # checkpoint_format of an FP8 QuantConfig: where its tensors come from ("float": a float
 # checkpoint that quantization="fp8" quantizes at load, per output channel).
@@ -57,7 +61,7 @@ class QuantConfig:
     (a per-channel scale read as per-tensor would load without error).
     """
 
-    method: str  # "gptq" | "awq" | "gguf" | "fp8"
+    method: str  # "gptq" | "awq" | "gguf" | "fp8" | "mxfp4" (MoE experts only)
     bits: int = 4
     group_size: int = 128  # -1: one group spanning the whole input dimension
     # gptq: "gptq" (v1) | "gptq_v2"; awq: "awq" (GEMM) | "awq_gemv"; gguf: "q4_0" | "q8_0";
@@ -75,6 +79,10 @@ class QuantConfig:
             raise ValueError(f"unsupported quantization method {self.method!r}")
         if self.method == "fp8":
             self._check_fp8()
+            return
+        if self.method == "mxfp4":
+            if (self.bits, self.group_size) != (4, 32):
+                raise ValueError(f"MXFP4 has 4-bit values in blocks of 32, not {self!r}")
             return
         if self.method == "gguf" and (self.group_size, self.checkpoint_format) != (32, f"q{self.bits}_0"):
             raise ValueError(f"GGUF layers are kept packed as Q4_0 or Q8_0 blocks of 32, not {self!r}")
@@ -123,6 +131,8 @@ class QuantConfig:
         """The common published layout, for random (dummy) weights without a checkpoint."""
         if method == "fp8":
             return cls.fp8_at_load()
+        if method == "mxfp4":
+            return cls("mxfp4", 4, 32, "mxfp4")
         return cls(method, 4, 128, "gptq" if method == "gptq" else "awq")
 
     @classmethod
@@ -161,6 +171,8 @@ def parse_quant_config(raw: dict) -> QuantConfig:
                            bool(raw.get("desc_act", False)))
     if method in ("fp8", "fbgemm_fp8", "compressed-tensors"):
         return _parse_fp8(method, raw)
+    if method == "mxfp4":
+        return QuantConfig.default("mxfp4")
     if method == "awq":
         version = str(raw.get("version", "gemm")).lower()
         if version not in ("gemm", "gemv"):
@@ -169,7 +181,7 @@ def parse_quant_config(raw: dict) -> QuantConfig:
             raise ValueError("AWQ without zero points is not supported")
         return QuantConfig("awq", bits, group_size, "awq" if version == "gemm" else "awq_gemv")
     raise ValueError(f"quantization method {method!r} is not supported (gptq, awq, fp8, "
-                     "fbgemm_fp8 and compressed-tensors FP8 are)")
+                     "fbgemm_fp8, compressed-tensors FP8 and mxfp4 are)")
 
 
 def _parse_fp8(method: str, raw: dict) -> QuantConfig:
