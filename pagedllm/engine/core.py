@@ -82,7 +82,7 @@ class EngineCore:
                         spec.prompt_lookup_max, spec.max_batch_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_prefill_tokens_with_decodes,
-                                   proposer)
+                                   proposer, config.max_loras if config.enable_lora else 0)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens; %s", num_blocks,
                     config.block_size, num_blocks * config.block_size,
                     full_length_sequences(num_blocks * config.block_size, config.max_model_len))
@@ -124,12 +124,15 @@ class EngineCore:
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "max_prefill_tokens_with_decodes": c.max_prefill_tokens_with_decodes,
             "prefix_caching": c.enable_prefix_caching,
+            "lora": (f"max_loras {c.max_loras}, max_lora_rank {c.max_lora_rank}"
+                     if c.enable_lora else "off"),
         }
 
     def info(self) -> CoreInfo:
         return CoreInfo(vocab_size=self.executor.vocab_size, max_model_len=self.config.max_model_len,
                         pool_tokens=self.kv.num_blocks * self.kv.block_size,
-                        describe=self.describe(), async_scheduling=self.async_scheduling)
+                        describe=self.describe(), async_scheduling=self.async_scheduling,
+                        max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0)
 
     def stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv
@@ -171,6 +174,9 @@ class EngineCore:
         ids = request.prompt_token_ids
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if request.lora_request is not None and not self.config.enable_lora:
+            raise ValueError("a LoRA adapter was requested but LoRA is off (enable_lora=True, "
+                             "--enable-lora)")
         rid = request.request_id
         if rid in self._inflight_ids() or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -194,6 +200,8 @@ class EngineCore:
             stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens, skip_prefix_cache=p.prompt_logprobs is not None,
             sampling_params=p, arrival_time=request.arrival_time,
+            lora_request=request.lora_request,
+            lora_int_id=request.lora_request.lora_int_id if request.lora_request else 0,
             # Verification samples every draft position from the same processed logits:
             # settings that change with each earlier token are not modelled there.
             allow_spec=not (p.needs_penalties or p.min_tokens or compiled is not None

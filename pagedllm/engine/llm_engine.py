@@ -13,6 +13,7 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, eos_token_ids
+from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
 from pagedllm.outputs import RequestOutput
@@ -99,10 +100,11 @@ class LLMEngine:
         return self.processor.encode(prompt)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids, seq_params, requests = self.processor.process(request_id, prompt, prompt_token_ids, params)
+        ids, seq_params, requests = self.processor.process(request_id, prompt, prompt_token_ids, params,
+                                                           lora_request)
         added = []
         try:
             for req in requests:

@@ -35,6 +35,7 @@ from pagedllm.model_executor.layers.sampler import (
 from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
+from pagedllm.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class _ReqState:
     num_prompt: int
     params: SamplingParams
     generator: torch.Generator | None
+    lora: object = None  # its LoRARequest; None: the base model
     prompt_lp_next: int = 1  # next prompt position whose logprob is still owed
     num_pending: int = 0  # sampled by launched steps whose results are not read yet
 
@@ -176,6 +178,11 @@ class ModelRunner:
         self.backend = get_attention_backend(self.device, self.batch_invariant)
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
                                 self.dtype, config.seed, config.quantization)
+        # Multi-LoRA: adapter slots in the model's projections, filled as steps need them.
+        self.lora = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, config, self.device, self.dtype,
+                                    max(config.max_num_batched_tokens, 256))
         s = self.model.shape
         self.num_layers, self.num_kv_heads, self.head_dim = s.num_layers, s.num_kv_heads, s.head_dim
         self.vocab_size = s.vocab
@@ -246,7 +253,8 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
-                                       min(max_num_seqs, 256), max_blocks)
+                                       min(max_num_seqs, 256), max_blocks,
+                                       self.lora.batch if self.lora is not None else None)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, 2, blocks, block_size, kv_heads, head_dim] tensor.
@@ -280,7 +288,7 @@ class ModelRunner:
                 gen.manual_seed(p.seed)
             self.states[new.request_id] = _ReqState(
                 list(new.prompt_token_ids) + list(new.output_token_ids),
-                len(new.prompt_token_ids), p, gen,
+                len(new.prompt_token_ids), p, gen, new.lora_request,
             )
         self.block_tables.update(so.finished_req_ids, so.chunks)
 
@@ -405,6 +413,9 @@ class ModelRunner:
                 sample_ids.append(c.request_id)
                 drafts.extend(c.draft_token_ids)
                 drafts.append(-1)
+        if self.lora is not None:  # each row's adapter slot (adapters loaded as needed)
+            slots = self.lora.slots_for([self.states[c.request_id].lora for c in chunks])
+            arrays["lora_slots"] = np.repeat(np.asarray(slots, dtype=np.int32), lens)
         spec_counts = None
         if len(sample_rows) > len(sample_ids):
             spec_counts = [len(c.draft_token_ids) + 1 for c in chunks if c.sample]
@@ -413,6 +424,8 @@ class ModelRunner:
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows:
             graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
         if graph_logits is None:
+            if self.lora is not None:
+                self.lora.prepare(arrays["lora_slots"], len(arrays["lora_slots"]))
             ids, pos, meta = self._metadata(arrays, num_decode)
             self._fill_pending(ids, arrays)
             hidden = self.model(ids, pos, self.kv_caches, meta)

@@ -1,0 +1,236 @@
+"""Multi-LoRA serving: requests of several PEFT adapters and of the base model share one
+batch, and each one's greedy tokens equal transformers + PEFT with that adapter applied.
+Also: more adapters than slots in one call (LRU swapping), prefix-cache isolation
+between adapters, the errors a bad adapter gets, and the Triton kernels against the
+torch path (interpreted on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hf_models import hf_greedy
+from lora_adapters import make_adapter, set_rank_in_config
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.core.block_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+
+MAX_NEW = 8
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(4, 20))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tmp_path_factory):
+    """arch -> (base path, base HF model, [(LoRARequest, PEFT reference model)])."""
+    cache: dict = {}
+
+    def get(arch: str, count: int = 3):
+        if arch not in cache:
+            path, hf = tiny_models(arch)
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            made = []
+            for i in range(count):
+                d = str(root / f"a{i}")
+                # different ranks, targets and scalings (rsLoRA on one)
+                targets = None if i != 1 else ["q_proj", "v_proj", "down_proj"]
+                ref = make_adapter(hf, d, seed=10 + i, r=(8, 4, 16)[i % 3], alpha=(16, 8, 4)[i % 3],
+                                   targets=targets, rslora=i == 2)
+                made.append((LoRARequest(f"a{i}", i + 1, d), ref))
+            cache[arch] = (path, hf, made)
+        return cache[arch]
+
+    return get
+
+
+def _check_mixed(llm: LLM, hf, made, prompts) -> None:
+    choices = [None] + [lora for lora, _ in made]
+    loras = [choices[i % len(choices)] for i in range(len(prompts))]
+    refs = {None: hf, **{lora.lora_int_id: ref for lora, ref in made}}
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    differs = 0
+    for p, lora, out in zip(prompts, loras, outs, strict=True):
+        ref = refs[lora.lora_int_id if lora else None]
+        want, want_lps = hf_greedy(ref, p, MAX_NEW)
+        got = out.outputs[0]
+        assert got.token_ids == want, (lora, p)
+        lps = [pos[t].logprob for pos, t in zip(got.logprobs, got.token_ids, strict=True)]
+        assert lps == pytest.approx(want_lps, abs=1e-3)
+        if lora is not None:
+            differs += hf_greedy(hf, p, MAX_NEW)[0] != want
+    assert differs >= len(made)  # the adapters really change the answers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft(adapters, arch):
+    path, hf, made = adapters(arch)
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+              enable_lora=True, max_loras=3, max_lora_rank=16)
+    _check_mixed(llm, hf, made, _prompts(8, seed=1))
+
+
+def test_more_adapters_than_slots(adapters):
+    """Three adapters, two slots, one call: the scheduler keeps a step to two adapters and
+    the worker swaps them in and out of the slots (LRU from its CPU cache)."""
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+              enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2)
+    _check_mixed(llm, hf, made, _prompts(10, seed=2))
+    manager = llm.engine.executor.runner.lora
+    assert manager.num_loads == len(made)
+    _check_mixed(llm, hf, made[::-1], _prompts(10, seed=3))
+    assert manager.num_loads > len(made)  # an adapter came back after being swapped out
+    assert len(manager.cpu) == 2
+
+
+def test_prefix_cache_is_per_adapter(adapters):
+    """The same prompt under two adapters and the base model: no KV page is shared
+    between them, while a repeat under the same adapter hits the cache."""
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompt = {"prompt_token_ids": list(range(3, 27))}  # 6 full blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (a, _), (b, ref_b) = made[0], made[2]
+    llm.generate(prompt, params, lora_request=a)
+    kv = llm.engine.kv
+    hits0 = kv.prefix_hits
+    out_b = llm.generate(prompt, params, lora_request=b)[0]
+    out_base = llm.generate(prompt, params)[0]
+    assert kv.prefix_hits == hits0  # neither took the pages of adapter a
+    assert out_b.outputs[0].token_ids == hf_greedy(ref_b, prompt["prompt_token_ids"], 4)[0]
+    assert out_base.outputs[0].token_ids == hf_greedy(hf, prompt["prompt_token_ids"], 4)[0]
+    again = llm.generate(prompt, params, lora_request=b)[0]
+    assert kv.prefix_hits > hits0 and again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == out_b.outputs[0].token_ids
+
+
+def test_errors(adapters, tmp_path):
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    p = {"prompt_token_ids": [1, 2, 3]}
+    params = SamplingParams(temperature=0, max_tokens=3)
+    big = made[2][0]  # rank 16 > 8
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        llm.generate(p, params, lora_request=big)
+    with pytest.raises(ValueError, match="no such directory"):
+        llm.generate(p, params, lora_request=LoRARequest("x", 9, str(tmp_path / "nope")))
+    # a module no LoRA layer serves
+    odd = tmp_path / "odd"
+    make_adapter(hf, str(odd), seed=3, r=4, targets=["lm_head"])
+    with pytest.raises(ValueError, match="target module 'lm_head'"):
+        llm.generate(p, params, lora_request=LoRARequest("odd", 7, str(odd)))
+    # a config PEFT features the engine does not serve
+    dora = tmp_path / "dora"
+    make_adapter(hf, str(dora), seed=4, r=4)
+    set_rank_in_config(str(dora), use_dora=True)
+    with pytest.raises(ValueError, match="use_dora"):
+        llm.generate(p, params, lora_request=LoRARequest("dora", 8, str(dora)))
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("zero", 0, str(dora))
+    # the engine still serves, base and adapter alike
+    ok = made[1]
+    out = llm.generate(p, params, lora_request=[ok[0]])[0]
+    assert out.outputs[0].token_ids == hf_greedy(ok[1], [1, 2, 3], 3)[0]
+    assert llm.generate(p, params)[0].outputs[0].token_ids == hf_greedy(hf, [1, 2, 3], 3)[0]
+    off = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="enable_lora"):
+        off.generate(p, params, lora_request=ok[0])
+
+
+def test_scheduler_caps_adapters_per_step():
+    """Pure core: with 2 slots, running requests never span 3 adapters; the request of a
+    third adapter waits while later ones of running adapters go ahead."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64, max_loras=2)
+    for i, lid in enumerate([1, 2, 3, 1, 0]):
+        s.add_request(Request(f"r{i}", [5, 6, 7], 4, lora_int_id=lid))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["r0", "r1", "r3", "r4"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+    assert {r.lora_int_id for r in s.running} == {0, 1, 2}
+
+
+def test_block_hashes_depend_on_adapter():
+    kv = KVCacheManager(64, 4)
+    reqs = [Request(f"r{lid}", list(range(9)), 4, lora_int_id=lid) for lid in (0, 1, 2)]
+    for r in reqs:
+        kv.get_computed_blocks(r)
+    hashes = [tuple(r.block_hashes) for r in reqs]
+    assert len(set(hashes)) == 3 and all(len(h) == 2 for h in hashes)
+
+
+def _kernel_case():
+    from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
+    from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
+
+    torch.manual_seed(0)
+    slots_n, r, k, n, m = 3, 24, 40, 70, 37
+    x, a, b = torch.randn(m, k), torch.randn(slots_n, r, k), torch.randn(slots_n, n, r)
+    slots = np.random.default_rng(0).integers(-1, slots_n, m).astype(np.int32)
+    batch = LoRABatch(slots_n, 64, torch.device("cpu"))
+    batch.set(slots, m)
+    base = torch.randn(m, n)
+    y = lora_expand(lora_shrink(x, a, batch.sorted_tokens, batch.counts, batch.starts), b,
+                    base.clone(), batch.sorted_tokens, batch.counts, batch.starts)
+    ref = base + lora_delta_torch(x, a, b, batch.token_slot)
+    assert torch.equal(y[slots < 0], base[slots < 0])  # base-model rows untouched
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    # the torch path itself against a plain per-token loop
+    for t in range(m):
+        if slots[t] >= 0:
+            want = base[t] + b[slots[t]] @ (a[slots[t]] @ x[t])
+            torch.testing.assert_close(ref[t], want, rtol=1e-4, atol=1e-3)
+
+
+def test_triton_kernels_interpreted():
+    """The shrink/expand kernels in Triton's interpreter (float32, CPU) equal the torch
+    path. In a subprocess: TRITON_INTERPRET is read when Triton is imported."""
+    pytest.importorskip("triton")
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; test_lora._kernel_case(); "
+            "print('ok')")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_mixed_batch_bf16_gpu(adapters):
+    """CUDA: the Triton kernels, in bf16, inside CUDA graphs (decode) and eager (prefill);
+    the reference is PEFT in bf16 on the same GPU. Greedy tokens of bf16 models may part
+    where two logits tie within bf16's precision, so most (not all) must match exactly."""
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=16, num_kv_blocks=256,
+              enable_lora=True, max_loras=2, max_lora_rank=16, dtype="bfloat16")
+    assert llm.engine.executor.runner.graphs is not None
+    prompts = _prompts(12, seed=5)
+    choices = [None] + [lora for lora, _ in made]
+    loras = [choices[i % len(choices)] for i in range(len(prompts))]
+    refs = {None: hf, **{lora.lora_int_id: ref for lora, ref in made}}
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
+    same = 0
+    for p, lora, out in zip(prompts, loras, outs, strict=True):
+        ref = refs[lora.lora_int_id if lora else None].to("cuda", torch.bfloat16)
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        ref.to("cpu", torch.float32)
+        got = out.outputs[0].token_ids
+        same += got[:3] == want[:3]
+    assert same >= len(prompts) - 1
