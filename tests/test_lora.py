@@ -172,15 +172,15 @@ def test_block_hashes_depend_on_adapter():
     assert len(set(hashes)) == 3 and all(len(h) == 2 for h in hashes)
 
 
-def _kernel_case():
+def _kernel_case(m: int, k: int):
     from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
     from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
 
     torch.manual_seed(0)
-    slots_n, r, k, n, m = 3, 24, 40, 70, 37
+    slots_n, r, n = 3, 24, 70
     x, a, b = torch.randn(m, k), torch.randn(slots_n, r, k), torch.randn(slots_n, n, r)
     slots = np.random.default_rng(0).integers(-1, slots_n, m).astype(np.int32)
-    batch = LoRABatch(slots_n, 64, torch.device("cpu"))
+    batch = LoRABatch(slots_n, m, torch.device("cpu"))
     batch.set(slots, m)
     base = torch.randn(m, n)
     y = lora_expand(lora_shrink(x, a, batch.sorted_tokens, batch.counts, batch.starts), b,
@@ -199,8 +199,9 @@ def test_triton_kernels_interpreted():
     """The shrink/expand kernels in Triton's interpreter (float32, CPU) equal the torch
     path. In a subprocess: TRITON_INTERPRET is read when Triton is imported."""
     pytest.importorskip("triton")
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; test_lora._kernel_case(); "
-            "print('ok')")
+    # a decode-sized step (K split over programs) and a prefill-sized one
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
+            "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); print('ok')")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,

@@ -19,13 +19,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K, K_PER,
                    sxm, sxk, sal, san, sak, shm, shn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     slot = tl.program_id(1)
     count = tl.load(cnt_ptr + slot)
+    pid_k = pid % SPLIT_K
+    pid = pid // SPLIT_K
     pid_m = pid // N_TILES
     pid_n = pid % N_TILES
     if pid_m * BM >= count:
@@ -38,9 +40,10 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
     n_mask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * sal
-    for k0 in range(0, K, BK):
+    k_end = tl.minimum(K, (pid_k + 1) * K_PER)
+    for k0 in range(pid_k * K_PER, k_end, BK):
         offs_k = k0 + tl.arange(0, BK)
-        k_mask = offs_k < K
+        k_mask = offs_k < k_end
         xt = tl.load(x_ptr + rows[:, None] * sxm + offs_k[None, :] * sxk,
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + offs_n[None, :] * san + offs_k[:, None] * sak,
@@ -49,8 +52,11 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
             acc += tl.dot(xt, at, input_precision="ieee")
         else:
             acc += tl.dot(xt, at)
-    tl.store(h_ptr + rows[:, None] * shm + offs_n[None, :] * shn, acc,
-             mask=m_mask[:, None] & n_mask[None, :])
+    h_ptrs = h_ptr + rows[:, None] * shm + offs_n[None, :] * shn
+    if SPLIT_K == 1:
+        tl.store(h_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    else:  # partial sums over K slices (h starts at zero)
+        tl.atomic_add(h_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -104,14 +110,18 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, c
     h [M, R] float32 (rows of unlisted tokens are left unset)."""
     m, k = x.shape
     slots, r, _ = a.shape
-    h = torch.empty((m, r), dtype=torch.float32, device=x.device)
     bm, bn, bk = _block_m(m), _pow2(r, hi=64), 64 if m > 256 else 128
+    # Few tokens make few tiles (one per 16 tokens of a slot): the long K is split over
+    # programs too, so that a decode step's shrink fills the GPU.
+    split_k = max(1, min(16, k // (4 * bk))) if m <= 256 else 1
+    k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    h = (torch.zeros if split_k > 1 else torch.empty)((m, r), dtype=torch.float32, device=x.device)
     n_tiles = triton.cdiv(r, bn)
-    grid = (triton.cdiv(m, bm) * n_tiles, slots)
-    _shrink_kernel[grid](x, a, h, sorted_tokens, counts, starts, r, k,
+    grid = (triton.cdiv(m, bm) * n_tiles * split_k, slots)
+    _shrink_kernel[grid](x, a, h, sorted_tokens, counts, starts, r, k, k_per,
                          x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
                          h.stride(0), h.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
-                         IEEE=x.dtype == torch.float32)
+                         SPLIT_K=split_k, IEEE=x.dtype == torch.float32)
     return h
 
 
