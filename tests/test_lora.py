@@ -6,6 +6,7 @@ torch path (interpreted on the CPU)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import subprocess
@@ -75,7 +76,7 @@ def _check_mixed(llm: LLM, hf, made, prompts) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_mixed_batch_matches_peft(adapters, arch):
     path, hf, made = adapters(arch)
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
               enable_lora=True, max_loras=3, max_lora_rank=16)
     _check_mixed(llm, hf, made, _prompts(8, seed=1))
 
@@ -84,7 +85,7 @@ def test_more_adapters_than_slots(adapters):
     """Three adapters, two slots, one call: the scheduler keeps a step to two adapters and
     the worker swaps them in and out of the slots (LRU from its CPU cache)."""
     path, hf, made = adapters("llama")
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
               enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2)
     _check_mixed(llm, hf, made, _prompts(8, seed=2))
     manager = llm.engine.executor.runner.lora
@@ -98,7 +99,7 @@ def test_prefix_cache_is_per_adapter(adapters):
     """The same prompt under two adapters and the base model: no KV page is shared
     between them, while a repeat under the same adapter hits the cache."""
     path, hf, made = adapters("llama")
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
               enable_lora=True, max_loras=2, max_lora_rank=16)
     prompt = {"prompt_token_ids": list(range(3, 27))}  # 6 full blocks
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -118,7 +119,7 @@ def test_prefix_cache_is_per_adapter(adapters):
 
 def test_errors(adapters, tmp_path):
     path, hf, made = adapters("llama")
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
               enable_lora=True, max_loras=2, max_lora_rank=8)
     p = {"prompt_token_ids": [1, 2, 3]}
     params = SamplingParams(temperature=0, max_tokens=3)
@@ -145,7 +146,7 @@ def test_errors(adapters, tmp_path):
     out = llm.generate(p, params, lora_request=[ok[0]])[0]
     assert out.outputs[0].token_ids == hf_greedy(ok[1], [1, 2, 3], 3)[0]
     assert llm.generate(p, params)[0].outputs[0].token_ids == hf_greedy(hf, [1, 2, 3], 3)[0]
-    off = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
+    off = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64)
     with pytest.raises(ValueError, match="enable_lora"):
         off.generate(p, params, lora_request=ok[0])
 
@@ -172,22 +173,26 @@ def test_block_hashes_depend_on_adapter():
     assert len(set(hashes)) == 3 and all(len(h) == 2 for h in hashes)
 
 
-def _kernel_case(m: int, k: int):
+def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The kernels against the torch path (in float32), and that against a per-token loop."""
     from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
     from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
 
-    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
     slots_n, r, n = 3, 24, 70
-    x, a, b = torch.randn(m, k), torch.randn(slots_n, r, k), torch.randn(slots_n, n, r)
+    x = torch.randn(m, k, generator=gen) / k**0.5
+    a, b = torch.randn(slots_n, r, k, generator=gen), torch.randn(slots_n, n, r, generator=gen)
     slots = np.random.default_rng(0).integers(-1, slots_n, m).astype(np.int32)
-    batch = LoRABatch(slots_n, m, torch.device("cpu"))
+    batch = LoRABatch(slots_n, m, torch.device(device))
     batch.set(slots, m)
-    base = torch.randn(m, n)
-    y = lora_expand(lora_shrink(x, a, batch.sorted_tokens, batch.counts, batch.starts), b,
-                    base.clone(), batch.sorted_tokens, batch.counts, batch.starts)
-    ref = base + lora_delta_torch(x, a, b, batch.token_slot)
-    assert torch.equal(y[slots < 0], base[slots < 0])  # base-model rows untouched
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    base = torch.randn(m, n, generator=gen)
+    dev = [t.to(device, dtype) for t in (x, a, b, base)]
+    y = lora_expand(lora_shrink(dev[0], dev[1], batch.sorted_tokens, batch.counts, batch.starts),
+                    dev[2], dev[3].clone(), batch.sorted_tokens, batch.counts, batch.starts).cpu().float()
+    ref = base + lora_delta_torch(x, a, b, batch.token_slot.cpu())
+    assert torch.equal(y[slots < 0], dev[3].cpu().float()[slots < 0])  # base rows untouched
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
     # the torch path itself against a plain per-token loop
     for t in range(m):
         if slots[t] >= 0:
@@ -210,13 +215,30 @@ def test_triton_kernels_interpreted():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m, k", [(37, 4096), (300, 1100)])
+def test_triton_kernels_cuda_bf16(m, k):
+    _kernel_case(m, k, "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_mixed_batch_float32_gpu_matches_peft(adapters):
+    """CUDA in float32: the Triton kernels (eager prefill, decode in CUDA graphs) give the
+    same greedy tokens as PEFT, as the CPU path does; three adapters over two slots."""
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, device="cuda", dtype="float32", skip_tokenizer_init=True,
+              block_size=16, num_kv_blocks=256, enable_lora=True, max_loras=2, max_lora_rank=16)
+    assert llm.engine.executor.runner.graphs is not None
+    _check_mixed(llm, hf, made, _prompts(8, seed=6))
+
+
+@pytest.mark.gpu
 def test_mixed_batch_bf16_gpu(adapters):
     """CUDA: the Triton kernels, in bf16, inside CUDA graphs (decode) and eager (prefill);
     the reference is PEFT in bf16 on the same GPU. Greedy tokens of bf16 models may part
     where two logits tie within bf16's precision, so most (not all) must match exactly."""
     path, hf, made = adapters("llama")
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=16, num_kv_blocks=256,
-              enable_lora=True, max_loras=2, max_lora_rank=16, dtype="bfloat16")
+    llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, block_size=16,
+              num_kv_blocks=256, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="bfloat16")
     assert llm.engine.executor.runner.graphs is not None
     prompts = _prompts(12, seed=5)
     choices = [None] + [lora for lora, _ in made]
@@ -226,12 +248,11 @@ def test_mixed_batch_bf16_gpu(adapters):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
     same = 0
     for p, lora, out in zip(prompts, loras, outs, strict=True):
-        ref = refs[lora.lora_int_id if lora else None].to("cuda", torch.bfloat16)
+        ref = copy.deepcopy(refs[lora.lora_int_id if lora else None]).to("cuda", torch.bfloat16)
         ids = torch.tensor([p], device="cuda")
         with torch.no_grad():
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                 do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
-        ref.to("cpu", torch.float32)
         got = out.outputs[0].token_ids
         same += got[:3] == want[:3]
     assert same >= len(prompts) - 1
@@ -241,7 +262,7 @@ def test_tensor_parallel_matches_peft(adapters):
     """Two CPU ranks (gloo): each holds its block of every adapter, cut like its layers
     (B by output rows on q/k/v and gate/up, A by input columns on o and down)."""
     path, hf, made = adapters("llama")
-    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
               enable_lora=True, max_loras=2, max_lora_rank=16, tensor_parallel_size=2)
     try:
         assert type(llm.engine.executor).__name__ == "MultiprocExecutor"

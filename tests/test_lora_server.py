@@ -34,7 +34,7 @@ def lora_server(tmp_path_factory) -> Iterator[tuple[str, dict, object]]:
     for i, name in enumerate(("sql", "poet", "rank64")):
         d = str(root / name)
         refs[name] = (d, make_adapter(hf, d, seed=20 + i, r=64 if name == "rank64" else 8))
-    flags = ["--model", str(path), "--max-model-len", "256", "--num-kv-blocks", "128",
+    flags = ["--model", str(path), "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "128",
              "--max-num-seqs", "8", "--enable-lora", "--lora-modules", f"sql={refs['sql'][0]}",
              "--max-loras", "2", "--max-lora-rank", "16", "--allow-runtime-lora-updating"]
     with launch_server(root, flags) as sp:
@@ -87,3 +87,22 @@ def test_adapters_answer_as_peft(lora_server):
     with pytest.raises(openai.NotFoundError):
         _answer(client, "poet")
     assert _answer(client, "sql") == want["sql"]  # still serving
+
+
+def test_lora_flags_are_checked_before_the_model_loads():
+    from pagedllm.entrypoints.openai.cli_args import engine_config, lora_modules, make_arg_parser
+
+    parser = make_arg_parser()
+    args = parser.parse_args(["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2",
+                              "--max-lora-rank", "32", "--max-cpu-loras", "4"])
+    assert lora_modules(args) == [("a", "/x"), ("b", "/y")]
+    cfg = engine_config(args)
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (True, 2, 32, 4)
+    with pytest.raises(ValueError, match="--enable-lora"):
+        lora_modules(parser.parse_args(["--lora-modules", "a=/x"]))
+    with pytest.raises(ValueError, match="--enable-lora"):
+        lora_modules(parser.parse_args(["--allow-runtime-lora-updating"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--enable-lora", "--lora-modules", "no-equals-sign"])
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        engine_config(parser.parse_args(["--max-loras", "4", "--max-cpu-loras", "2"]))

@@ -386,8 +386,9 @@ class OpenAIServing:
             log_accepted(request_id, self.endpoint, [len(ids) for _, ids in prompts], params)
         try:
             lora = self.adapters.get(getattr(request, "model", None))
+            extra = {} if lora is None else {"lora_request": lora}
             gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                         text, ids, params, lora)
+                                         text, ids, params, **extra)
                     for i, (text, ids) in enumerate(prompts)]
             firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
         except BaseException:  # cancelled (client gone, deadline) before its first token
