@@ -66,8 +66,10 @@ class LoRAManager:
             if layer not in self.layers:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r}: this model has no LoRA "
                                  f"layer for target module {hf_name}")
-            if shard not in self.layers[layer].layout.parts:
-                raise ValueError(f"LoRA adapter {lora.lora_name!r}: {hf_name} does not fit {layer}")
+            lay = self.layers[layer].layout
+            if shard not in lay.parts or a.shape[1] != lay.full_in or b.shape[0] != lay.parts[shard][0]:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r}: {hf_name} (A {tuple(a.shape)}, "
+                                 f"B {tuple(b.shape)}) does not fit this model's {layer}")
             by_layer.setdefault(layer, {})[shard] = (a, b, info.modules[hf_name].scale)
         return by_layer
 
@@ -81,10 +83,12 @@ class LoRAManager:
         self.cpu.move_to_end(lora.lora_int_id)
         return pieces
 
-    def remove(self, lora_int_id: int) -> None:
-        """Forget an adapter (unloaded by the server): its slot and CPU copy."""
-        self.cpu.pop(lora_int_id, None)
-        self.slots.pop(lora_int_id, None)
+    def prefetch(self, lora: LoRARequest) -> None:
+        """Read an adapter into the CPU cache ahead of its first step; ValueError if it
+        cannot be served (its folder changed since the front end checked it, or it
+        targets modules this model has no LoRA layer for, e.g. MoE experts)."""
+        if lora.lora_int_id not in self.slots:
+            self._cpu_copy(lora)
 
     def slots_for(self, loras: list[LoRARequest | None]) -> list[int]:
         """Each entry's slot (-1: the base model), loading adapters as needed."""

@@ -180,6 +180,7 @@ class ModelRunner:
                                 self.dtype, config.seed, config.quantization)
         # Multi-LoRA: adapter slots in the model's projections, filled as steps need them.
         self.lora = None
+        self._bad_lora: dict[str, str] = {}  # request id -> why its adapter did not load
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config, self.device, self.dtype,
                                     max(config.max_num_batched_tokens, 256))
@@ -280,6 +281,7 @@ class ModelRunner:
         scheduler's."""
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
+            self._bad_lora.pop(rid, None)
         for new in so.new_requests:
             p: SamplingParams = new.sampling_params
             gen = None
@@ -290,6 +292,11 @@ class ModelRunner:
                 list(new.prompt_token_ids) + list(new.output_token_ids),
                 len(new.prompt_token_ids), p, gen, new.lora_request,
             )
+            if self.lora is not None and new.lora_request is not None:
+                try:  # read now, so that an adapter that cannot load fails its request alone
+                    self.lora.prefetch(new.lora_request)
+                except ValueError as e:
+                    self._bad_lora[new.request_id] = str(e)
         self.block_tables.update(so.finished_req_ids, so.chunks)
 
     def _layout(self, chunks) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
@@ -395,8 +402,12 @@ class ModelRunner:
     def _launch(self, so: SchedulerOutput, defer_sampling: bool) -> LaunchedStep:
         self._update_states(so)
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
-        num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         out = RunnerOutput()
+        if self._bad_lora:  # these fail alone (the core aborts them); the rest runs
+            out.failed = {c.request_id: self._bad_lora.pop(c.request_id) for c in chunks
+                          if c.request_id in self._bad_lora}
+            chunks = [c for c in chunks if c.request_id not in out.failed]
+        num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         if not chunks:
             return LaunchedStep(self, out, [], None, None)
         lens, arrays, _ = self._layout(chunks)
