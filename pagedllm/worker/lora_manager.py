@@ -46,7 +46,7 @@ class LoRAManager:
         if not self.layers:
             raise ValueError("this model has no layers LoRA can adapt")
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
-        self.cpu: OrderedDict[int, dict] = OrderedDict()  # adapter id -> layer -> pieces
+        self.cpu: OrderedDict[int, dict] = OrderedDict()  # adapter id -> layer -> (A, B)
         self.num_loads = 0  # adapters copied into a slot (a test and metric of swapping)
 
     def _target(self, hf_module: str) -> tuple[str, str | None]:
@@ -58,7 +58,7 @@ class LoRAManager:
         return hf_module, None
 
     def _read(self, lora: LoRARequest) -> dict:
-        """An adapter's tensors grouped by our layers: layer -> shard -> (A, B, scale)."""
+        """An adapter as the slots hold it: layer -> (A, B) on the CPU."""
         info, tensors = load_adapter(lora.lora_path, self.max_rank)
         by_layer: dict[str, dict] = {}
         for hf_name, (a, b) in tensors.items():
@@ -71,7 +71,9 @@ class LoRAManager:
                 raise ValueError(f"LoRA adapter {lora.lora_name!r}: {hf_name} (A {tuple(a.shape)}, "
                                  f"B {tuple(b.shape)}) does not fit this model's {layer}")
             by_layer.setdefault(layer, {})[shard] = (a, b, info.modules[hf_name].scale)
-        return by_layer
+        pin = self.batch.device.type == "cuda"
+        return {name: self.layers[name].method.slot_tensors(self.layers[name], pieces, pin)
+                for name, pieces in by_layer.items()}
 
     def _cpu_copy(self, lora: LoRARequest) -> dict:
         pieces = self.cpu.get(lora.lora_int_id)
@@ -107,7 +109,7 @@ class LoRAManager:
                 victim = next(v for v in self.slots if v not in needed)
                 slot = self.slots.pop(victim)
             for name, layer in self.layers.items():
-                layer.method.set_slot(layer, slot, pieces.get(name, {}))
+                layer.method.set_slot(layer, slot, pieces.get(name))
             self.slots[lid] = slot
             self.num_loads += 1
         for lid in needed:

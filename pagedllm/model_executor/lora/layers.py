@@ -149,26 +149,36 @@ class LoRAMethod(WeightMethod):
 
     # ------------------------------------------------------------------ slots
     @torch.no_grad()
-    def set_slot(self, layer: LinearBase, slot: int,
-                 pieces: dict[str | None, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
-        """Put one adapter's tensors for this layer in `slot`: per shard, the full
-        checkpoint (A [r, full_in], B [full_out, r], scale); shards it does not adapt stay
-        zero. Each rank keeps its block, as the layer does."""
+    def slot_tensors(self, layer: LinearBase,
+                     pieces: dict[str | None, tuple[torch.Tensor, torch.Tensor, float]],
+                     pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's (A, B) for this layer as one slot holds them, on the CPU (pinned
+        for a fast copy when `pin`), from per shard the full checkpoint (A [r, full_in],
+        B [full_out, r], scale); shards it does not adapt stay zero. Each rank keeps its
+        block, as the layer does."""
         lay, r_max = layer.layout, self.max_rank
-        a = torch.zeros_like(layer.lora_a[slot], device="cpu")
-        b = torch.zeros_like(layer.lora_b[slot], device="cpu")
+        a = torch.zeros(layer.lora_a.shape[1:], dtype=layer.lora_a.dtype)
+        b = torch.zeros(layer.lora_b.shape[1:], dtype=layer.lora_b.dtype)
         for i, shard in enumerate(self.shard_names):
             if shard not in pieces:
                 continue
             a_full, b_full, scale = pieces[shard]
-            full, src, n = lay.parts[shard]
+            _, src, n = lay.parts[shard]
             start, _ = lay.shards[shard]
-            r = a_full.shape[0]
-            if a_full.shape[1] != lay.full_in or b_full.shape[0] != full:
-                raise ValueError(f"LoRA A {tuple(a_full.shape)} / B {tuple(b_full.shape)} do not "
-                                 f"fit a layer of {lay.full_in} inputs and {full} outputs")
+            r = a_full.shape[0]  # shapes checked by the caller (worker/lora_manager.py)
             band = slice(i * r_max, i * r_max + r)
             a[band] = a_full[:, lay.in_start : lay.in_start + lay.in_features].to(a.dtype)
             b[start : start + n, band] = (b_full[src : src + n].float() * scale).to(b.dtype)
-        layer.lora_a[slot].copy_(a, non_blocking=False)
-        layer.lora_b[slot].copy_(b, non_blocking=False)
+        return (a.pin_memory(), b.pin_memory()) if pin else (a, b)
+
+    @torch.no_grad()
+    def set_slot(self, layer: LinearBase, slot: int,
+                 tensors: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Fill `slot` with `slot_tensors`' output (None: an adapter that leaves this layer
+        alone). Queued behind the steps still running, which may read the old contents."""
+        if tensors is None:
+            layer.lora_a[slot].zero_()
+            layer.lora_b[slot].zero_()
+            return
+        layer.lora_a[slot].copy_(tensors[0], non_blocking=True)
+        layer.lora_b[slot].copy_(tensors[1], non_blocking=True)
