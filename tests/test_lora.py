@@ -221,10 +221,11 @@ def test_triton_kernels_cuda_bf16(m, k):
 
 
 @pytest.mark.gpu
-def test_mixed_batch_float32_gpu_matches_peft(adapters):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_float32_gpu_matches_peft(adapters, arch):
     """CUDA in float32: the Triton kernels (eager prefill, decode in CUDA graphs) give the
     same greedy tokens as PEFT, as the CPU path does; three adapters over two slots."""
-    path, hf, made = adapters("llama")
+    path, hf, made = adapters(arch)
     llm = LLM(model=path, device="cuda", dtype="float32", skip_tokenizer_init=True,
               block_size=16, num_kv_blocks=256, enable_lora=True, max_loras=2, max_lora_rank=16)
     assert llm.engine.executor.runner.graphs is not None
@@ -232,30 +233,33 @@ def test_mixed_batch_float32_gpu_matches_peft(adapters):
 
 
 @pytest.mark.gpu
-def test_mixed_batch_bf16_gpu(adapters):
-    """CUDA: the Triton kernels, in bf16, inside CUDA graphs (decode) and eager (prefill);
-    the reference is PEFT in bf16 on the same GPU. Greedy tokens of bf16 models may part
-    where two logits tie within bf16's precision, so most (not all) must match exactly."""
-    path, hf, made = adapters("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_mixed_batch_bf16_gpu_follows_peft_until_near_tie(adapters, arch):
+    """CUDA in bf16 (the serving dtype): each request follows PEFT in bf16 on the same GPU
+    token for token until the two disagree where PEFT's own top two logits nearly tie."""
+    path, hf, made = adapters(arch)
     llm = LLM(model=path, device="cuda", skip_tokenizer_init=True, block_size=16,
               num_kv_blocks=256, enable_lora=True, max_loras=2, max_lora_rank=16, dtype="bfloat16")
-    assert llm.engine.executor.runner.graphs is not None
     prompts = _prompts(12, seed=5)
     choices = [None] + [lora for lora, _ in made]
     loras = [choices[i % len(choices)] for i in range(len(prompts))]
     refs = {None: hf, **{lora.lora_int_id: ref for lora, ref in made}}
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=loras)
-    same = 0
     for p, lora, out in zip(prompts, loras, outs, strict=True):
         ref = copy.deepcopy(refs[lora.lora_int_id if lora else None]).to("cuda", torch.bfloat16)
         ids = torch.tensor([p], device="cuda")
         with torch.no_grad():
-            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
-        got = out.outputs[0].token_ids
-        same += got[:3] == want[:3]
-    assert same >= len(prompts) - 1
+            res = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                               do_sample=False, output_scores=True, return_dict_in_generate=True,
+                               pad_token_id=0, eos_token_id=None)
+        want = res.sequences[0, len(p):].tolist()
+        for i, (a, b) in enumerate(zip(out.outputs[0].token_ids, want, strict=True)):
+            if a != b:
+                lps = res.scores[i][0].float().log_softmax(-1)
+                margin = (lps[b] - lps[a]).item()
+                assert margin < 0.1, f"{lora}: diverged at {i} with a clear margin {margin}"
+                break
 
 
 def test_tensor_parallel_matches_peft(adapters):
