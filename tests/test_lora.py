@@ -292,3 +292,21 @@ def test_adapter_for_another_model_fails_its_request_alone(adapters, tiny_models
     assert outs[1].outputs[0].finish_reason == "error" and "does not fit" in outs[1].error
     assert outs[0].outputs[0].token_ids == hf_greedy(made[0][1], p, 4)[0]
     assert outs[2].outputs[0].token_ids == hf_greedy(hf, p, 4)[0]
+
+
+def test_batch_invariant_with_adapters(adapters):
+    """batch_invariant=True: a request with an adapter gets the same logprob bits alone as
+    in a mixed batch of other adapters and the base model."""
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
+              enable_lora=True, max_loras=3, max_lora_rank=16, batch_invariant=True)
+    prompt = {"prompt_token_ids": [7, 8, 9, 10, 11, 12]}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
+    alone = llm.generate(prompt, params, lora_request=made[1][0])[0].outputs[0]
+    llm.reset_prefix_cache()
+    others = [{"prompt_token_ids": p} for p in _prompts(4, seed=8)]
+    mixed = llm.generate([*others[:2], prompt, *others[2:]], params,
+                         lora_request=[made[0][0], None, made[1][0], made[2][0], None])[2].outputs[0]
+    assert mixed.token_ids == alone.token_ids
+    assert [{t: lp.logprob for t, lp in pos.items()} for pos in mixed.logprobs] == \
+        [{t: lp.logprob for t, lp in pos.items()} for pos in alone.logprobs]

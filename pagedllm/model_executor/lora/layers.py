@@ -12,7 +12,9 @@ that the layer's all-reduce adds up with the base product).
 
 Which slot each token uses is one shared `LoRABatch` (a per-token slot index and the same
 tokens grouped by slot, in persistent device buffers): the runner fills it before each
-step, the layers only read it, so CUDA graphs replay with new adapters in place.
+step, the layers only read it, so CUDA graphs replay with new adapters in place. In
+batch-invariant mode the delta takes the torch path over fixed-tile products, so that a
+request's bits do not depend on its batch with LoRA either.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedllm import batch_invariant
 from pagedllm.model_executor.layers.weight_method import WeightMethod
 
 if TYPE_CHECKING:
@@ -90,12 +93,13 @@ def lora_delta_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """Every token's x @ A[slot].T @ B[slot].T (zero for slot -1), with no per-adapter loop
     and no data-dependent shapes: all slots' shrink, masked to each token's own slot, then
     one expand over the slots' concatenated ranks. The reference the kernels are tested
-    against, and the path on devices without Triton."""
+    against, the CPU path, and the batch-invariant path (its products are
+    batch_invariant.linear: fixed tiles in that mode)."""
     slots, r, k = a.shape
-    h = x @ a.reshape(slots * r, k).t()  # [T, slots * r]
+    h = batch_invariant.linear(x, a.reshape(slots * r, k))  # [T, slots * r]
     own = token_slot.unsqueeze(1) == torch.arange(slots, device=x.device, dtype=token_slot.dtype)
     h = (h.view(-1, slots, r) * own.unsqueeze(-1).to(h.dtype)).reshape(-1, slots * r)
-    return h @ b.permute(1, 0, 2).reshape(b.shape[1], slots * r).t()
+    return batch_invariant.linear(h, b.permute(1, 0, 2).reshape(b.shape[1], slots * r))
 
 
 class LoRAMethod(WeightMethod):
@@ -140,7 +144,7 @@ class LoRAMethod(WeightMethod):
         batch = self.batch
         if not batch.active:
             return y
-        if batch.use_triton:
+        if batch.use_triton and not batch_invariant.is_enabled():
             from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
 
             h = lora_shrink(x, layer.lora_a, batch.sorted_tokens, batch.counts, batch.starts)
