@@ -275,7 +275,9 @@ def test_tensor_parallel_matches_peft(adapters):
         llm.engine.shutdown()
 
 
-def test_adapter_for_another_model_fails_its_request_alone(adapters, tiny_models, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_adapter_for_another_model_fails_its_request_alone(adapters, tiny_models, tmp_path,
+                                                           async_scheduling):
     """An adapter whose folder looks right but whose shapes fit another model passes the
     front end's header check; the worker refuses it when reading it, and only that
     request ends (with an error), while the others of the same batch finish."""
@@ -284,7 +286,7 @@ def test_adapter_for_another_model_fails_its_request_alone(adapters, tiny_models
     wrong = tmp_path / "wrong"
     make_adapter(other, str(wrong), seed=5, r=4)
     llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
-              enable_lora=True, max_loras=2, max_lora_rank=16)
+              enable_lora=True, max_loras=2, max_lora_rank=16, async_scheduling=async_scheduling)
     p = [1, 2, 3, 4]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     loras = [made[0][0], LoRARequest("wrong", 9, str(wrong)), None]

@@ -180,7 +180,8 @@ class ModelRunner:
                                 self.dtype, config.seed, config.quantization)
         # Multi-LoRA: adapter slots in the model's projections, filled as steps need them.
         self.lora = None
-        self._bad_lora: dict[str, str] = {}  # request id -> why its adapter did not load
+        # request id -> why its adapter did not load ("" once reported), until it ends
+        self._bad_lora: dict[str, str] = {}
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config, self.device, self.dtype,
                                     max(config.max_num_batched_tokens, 256))
@@ -404,9 +405,11 @@ class ModelRunner:
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         out = RunnerOutput()
         if self._bad_lora:  # these fail alone (the core aborts them); the rest runs
-            out.failed = {c.request_id: self._bad_lora.pop(c.request_id) for c in chunks
-                          if c.request_id in self._bad_lora}
-            chunks = [c for c in chunks if c.request_id not in out.failed]
+            for c in chunks:  # reported once; a step scheduled before the abort skips them
+                if self._bad_lora.get(c.request_id):
+                    out.failed[c.request_id] = self._bad_lora[c.request_id]
+                    self._bad_lora[c.request_id] = ""
+            chunks = [c for c in chunks if c.request_id not in self._bad_lora]
         num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         if not chunks:
             return LaunchedStep(self, out, [], None, None)
