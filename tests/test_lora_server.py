@@ -59,6 +59,15 @@ def test_adapters_answer_as_peft(lora_server):
     assert want["sql"] != want["base"] and want["poet"] != want["base"]
     assert _answer(client, "sql") == want["sql"]
     assert _answer(client, base_name) == want["base"]
+    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3, temperature=0)
+    assert chat.model == "sql"
+    stream = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=3, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks and all(c.model == "sql" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        chat.choices[0].message.content
 
     # unknown adapter: 404, as for an unknown model
     with pytest.raises(openai.NotFoundError):
