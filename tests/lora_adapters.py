@@ -13,13 +13,15 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 def make_adapter(base, path: str, seed: int, r: int = 8, alpha: float = 16,
-                 targets: list[str] | None = None, rslora: bool = False, std: float = 0.1):
+                 targets: list[str] | None = None, rslora: bool = False, std: float = 0.1,
+                 **config):
     """Save a random non-zero adapter for `base` (a HF model, left untouched) at `path`;
-    return the HF model with the adapter applied (PEFT's own layers), for reference."""
+    return the HF model with the adapter applied (PEFT's own layers), for reference.
+    `config`: more LoraConfig fields (rank_pattern, alpha_pattern, ...)."""
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or ALL_LINEAR, lora_dropout=0.0,
-                     use_rslora=rslora, init_lora_weights=False)
+                     use_rslora=rslora, init_lora_weights=False, **config)
     model = get_peft_model(copy.deepcopy(base), cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -43,10 +43,13 @@ def adapters(tiny_models, tmp_path_factory):
             made = []
             for i in range(count):
                 d = str(root / f"a{i}")
-                # different ranks, targets and scalings (rsLoRA on one)
+                # different ranks, targets and scalings (rsLoRA on one, per-module rank and
+                # alpha patterns on another)
                 targets = None if i != 1 else ["q_proj", "v_proj", "down_proj"]
+                patterns = {} if i != 1 else {"rank_pattern": {"v_proj": 2},
+                                              "alpha_pattern": {"down_proj": 24}}
                 ref = make_adapter(hf, d, seed=10 + i, r=(8, 4, 16)[i % 3], alpha=(16, 8, 4)[i % 3],
-                                   targets=targets, rslora=i == 2)
+                                   targets=targets, rslora=i == 2, **patterns)
                 made.append((LoRARequest(f"a{i}", i + 1, d), ref))
             cache[arch] = (path, hf, made)
         return cache[arch]

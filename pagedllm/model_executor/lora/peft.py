@@ -89,7 +89,7 @@ def inspect_adapter(path: str, max_rank: int) -> AdapterInfo:
     from safetensors import safe_open
 
     cfg = _read_config(path)
-    alpha = cfg.get("lora_alpha", cfg.get("r", 8))
+    alpha = cfg.get("lora_alpha", 8)  # PEFT's default
     rslora = bool(cfg.get("use_rslora", False))
     pairs: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
     others: list[str] = []
