@@ -515,6 +515,7 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
     d = engine.describe()
     shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
     base = f"{scheme}://{shown_host}:{port}{prefix}"
+    lora = [f"  LoRA         {d['lora']}"] if d.get("lora", "off") != "off" else []
     return "\n".join([
         f"pagedllm {__version__}: serving {', '.join(names)}",
         f"  model        {d.get('model')}",
@@ -526,6 +527,7 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
         f"(prompt tokens at most {d.get('max_prefill_tokens_with_decodes') or 'all of them'} "
         f"while sequences decode), max_num_seqs {d.get('max_num_seqs')}, prefix caching "
         f"{'on' if d.get('prefix_caching') else 'off'}",
+        *lora,
         f"  API          {base}/v1 (listening on {host}:{port}"
         f"{', API key required' if api_key else ''})",
         f"  monitoring   {base}/metrics (Prometheus), {base}/dashboard"
