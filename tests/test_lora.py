@@ -203,17 +203,41 @@ def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch
             torch.testing.assert_close(ref[t], want, rtol=1e-4, atol=1e-3)
 
 
-def test_triton_kernels_interpreted():
-    """The shrink/expand kernels in Triton's interpreter (float32, CPU) equal the torch
-    path. In a subprocess: TRITON_INTERPRET is read when Triton is imported."""
+def _engine_triton_case(root: str) -> None:
+    """A whole engine on the Triton kernels (interpreted on the CPU): three adapters over
+    two slots and the base model, greedy tokens equal PEFT's."""
+    from hf_models import save_tiny_model
+
+    hf = save_tiny_model(os.path.join(root, "base"), "llama")
+    made = [(LoRARequest(f"a{i}", i + 1, os.path.join(root, f"a{i}")),
+             make_adapter(hf, os.path.join(root, f"a{i}"), seed=30 + i, r=4 + 4 * i)) for i in range(3)]
+    llm = LLM(model=os.path.join(root, "base"), device="cpu", skip_tokenizer_init=True, block_size=4,
+              num_kv_blocks=128, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm.engine.executor.runner.lora.batch.use_triton = True
+    prompts = _prompts(4, seed=9)
+    choices = [None] + [lora for lora, _ in made]
+    refs = {None: hf, **{lora.lora_int_id: ref for lora, ref in made}}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=choices)
+    for p, lora, out in zip(prompts, choices, outs, strict=True):
+        ref = refs[lora.lora_int_id if lora else None]
+        assert out.outputs[0].token_ids == hf_greedy(ref, p, 5)[0], lora
+
+
+def test_triton_kernels_interpreted(tmp_path):
+    """The shrink/expand kernels, run by Triton's interpreter on the CPU in float32, equal
+    the torch path (a decode-sized step, whose K is split over programs, and a
+    prefill-sized one); and the whole engine on them (LoRABatch's grouped tokens, the
+    layers' CUDA path) equals PEFT. In a subprocess: TRITON_INTERPRET is read when Triton
+    is imported."""
     pytest.importorskip("triton")
-    # a decode-sized step (K split over programs) and a prefill-sized one
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
-            "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); print('ok')")
+            "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); "
+            f"test_lora._engine_triton_case({str(tmp_path)!r}); print('ok')")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 
