@@ -98,6 +98,18 @@ def test_more_adapters_than_slots(adapters):
     assert len(manager.cpu) == 2
 
 
+def test_parity_under_preemption(adapters):
+    """A pool too small for the batch: requests of different adapters are preempted and
+    recomputed (their prefix-cache hits under their own adapter), tokens unchanged."""
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=16,
+              enable_lora=True, max_loras=3, max_lora_rank=16)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(28)] for _ in range(4)]
+    _check_mixed(llm, hf, made, prompts)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+
+
 def test_prefix_cache_is_per_adapter(adapters):
     """The same prompt under two adapters and the base model: no KV page is shared
     between them, while a repeat under the same adapter hits the cache."""
