@@ -132,7 +132,7 @@ def test_prefix_cache_is_per_adapter(adapters):
     assert again.outputs[0].token_ids == out_b.outputs[0].token_ids
 
 
-def test_errors(adapters, tmp_path):
+def test_errors(adapters, tiny_models, tmp_path):
     path, hf, made = adapters("llama")
     llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
               enable_lora=True, max_loras=2, max_lora_rank=8)
@@ -148,6 +148,12 @@ def test_errors(adapters, tmp_path):
     make_adapter(hf, str(odd), seed=3, r=4, targets=["lm_head"])
     with pytest.raises(ValueError, match="target module 'lm_head'"):
         llm.generate(p, params, lora_request=LoRARequest("odd", 7, str(odd)))
+    # a projection of the right kind in a layer this model does not have
+    _, deeper = tiny_models("llama", num_hidden_layers=3)
+    extra = tmp_path / "extra-layer"
+    make_adapter(deeper, str(extra), seed=6, r=4, targets=["q_proj"])
+    with pytest.raises(ValueError, match="no LoRA layer for target module model.layers.2"):
+        llm.generate(p, params, lora_request=LoRARequest("extra", 10, str(extra)))
     # a config PEFT features the engine does not serve
     dora = tmp_path / "dora"
     make_adapter(hf, str(dora), seed=4, r=4)

@@ -132,7 +132,8 @@ class EngineCore:
         return CoreInfo(vocab_size=self.executor.vocab_size, max_model_len=self.config.max_model_len,
                         pool_tokens=self.kv.num_blocks * self.kv.block_size,
                         describe=self.describe(), async_scheduling=self.async_scheduling,
-                        max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0)
+                        max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
+                        lora_targets=list(self.executor.lora_targets))
 
     def stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv

@@ -80,6 +80,7 @@ class CoreInfo(msgspec.Struct):
     describe: dict
     async_scheduling: bool
     max_lora_rank: int = 0  # 0: LoRA is off
+    lora_targets: list[str] = []  # the projections (HF naming) an adapter may target
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

@@ -66,7 +66,12 @@ class Processor:
                              "(enable_lora=True, --enable-lora)")
         if self._adapters_seen.get(lora.lora_int_id) == lora.lora_path:
             return
-        inspect_adapter(lora.lora_path, self.info.max_lora_rank)
+        info = inspect_adapter(lora.lora_path, self.info.max_lora_rank)
+        served = set(self.info.lora_targets)
+        for module in info.modules:
+            if module not in served:
+                raise ValueError(f"LoRA adapter {lora.lora_path!r}: this model has no LoRA layer "
+                                 f"for target module {module}")
         self._adapters_seen[lora.lora_int_id] = lora.lora_path
 
     def encode(self, prompt: str) -> list[int]:

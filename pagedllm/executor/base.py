@@ -26,6 +26,7 @@ class Executor(Protocol):
     vocab_size: int
     weight_bytes: int
     bytes_per_block: int
+    lora_targets: list[str]  # projections (HF naming) adapters may target; [] without LoRA
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int: ...
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
@@ -64,6 +65,7 @@ class RankGroupExecutor:
         self.vocab_size = info["vocab_size"]
         self.weight_bytes = info["weight_bytes"]
         self.bytes_per_block = info["bytes_per_block"]
+        self.lora_targets = info["lora_targets"]
 
     def _run(self, method: str, args: tuple) -> list:
         raise NotImplementedError

@@ -49,6 +49,21 @@ class LoRAManager:
         self.cpu: OrderedDict[int, dict] = OrderedDict()  # adapter id -> layer -> (A, B)
         self.num_loads = 0  # adapters copied into a slot (a test and metric of swapping)
 
+    def targets(self) -> list[str]:
+        """The projections, in HF naming, that an adapter may target in this model (the
+        front end refuses an adapter with any other)."""
+        stacked = getattr(self.model, "stacked_params", {})  # ".q_proj." -> (".qkv_proj.", "q")
+        hf_of = {(fused.strip("."), shard): frag.strip(".") for frag, (fused, shard) in stacked.items()}
+        names = []
+        for name, layer in self.layers.items():
+            parent, short = name.rsplit(".", 1)
+            for shard in layer.layout.parts:
+                if shard is None:
+                    names.append(name)
+                elif (short, shard) in hf_of:
+                    names.append(f"{parent}.{hf_of[short, shard]}")
+        return names
+
     def _target(self, hf_module: str) -> tuple[str, str | None]:
         """(our layer, fused shard) of an adapted projection in HF naming."""
         for frag, (fused, shard) in getattr(self.model, "stacked_params", {}).items():
