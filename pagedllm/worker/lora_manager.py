@@ -25,8 +25,8 @@ from pagedllm.model_executor.lora.peft import LORA_TARGETS, load_adapter
 
 logger = logging.getLogger(__name__)
 
-# Our fused module names -> the HF projections they hold.
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Our fused layers (q/k/v, gate/up), adapted like the projections they hold.
+_FUSED = ("qkv_proj", "gate_up_proj")
 
 
 class LoRAManager:
@@ -102,8 +102,8 @@ class LoRAManager:
 
     def prefetch(self, lora: LoRARequest) -> None:
         """Read an adapter into the CPU cache ahead of its first step; ValueError if it
-        cannot be served (its folder changed since the front end checked it, or it
-        targets modules this model has no LoRA layer for, e.g. MoE experts)."""
+        cannot be served (its folder changed since the front end checked it, or its
+        tensors have the shapes of another model)."""
         if lora.lora_int_id not in self.slots:
             self._cpu_copy(lora)
 
@@ -127,6 +127,7 @@ class LoRAManager:
                 layer.method.set_slot(layer, slot, pieces.get(name))
             self.slots[lid] = slot
             self.num_loads += 1
+            logger.debug("LoRA adapter %r (id %d) -> slot %d", lora.lora_name, lid, slot)
         for lid in needed:
             self.slots.move_to_end(lid)
         return [-1 if x is None else self.slots[x.lora_int_id] for x in loras]
