@@ -288,8 +288,7 @@ class LoadLoRAAdapterRequest(BaseModel):
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str
-    lora_int_id: int | None = None
+    lora_name: str  # vLLM's optional lora_int_id is ignored: names are unique here
 
 
 class ModelList(BaseModel):
