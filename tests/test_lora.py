@@ -357,3 +357,26 @@ def test_batch_invariant_with_adapters(adapters):
     assert mixed.token_ids == alone.token_ids
     assert [{t: lp.logprob for t, lp in pos.items()} for pos in mixed.logprobs] == \
         [{t: lp.logprob for t, lp in pos.items()} for pos in alone.logprobs]
+
+
+def test_lora_metric_names_running_and_waiting_adapters(adapters):
+    """/metrics' lora_requests_info (vLLM's): one slot, two adapters asked for: one runs,
+    the other waits."""
+    from prometheus_client import generate_latest
+
+    path, hf, made = adapters("llama")
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=64,
+              enable_lora=True, max_loras=1, max_lora_rank=16)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("x", None, [1, 2, 3], params, made[0][0])
+    engine.add_request("y", None, [4, 5, 6], params, made[1][0])
+    engine.step()
+    text = generate_latest(engine.metrics.registry).decode()
+    assert ('pagedllm:lora_requests_info{max_lora="1",running_lora_adapters="a0",'
+            'waiting_lora_adapters="a1"}') in text
+    while engine.has_unfinished_requests():
+        engine.step()
+    text = generate_latest(engine.metrics.registry).decode()
+    assert 'running_lora_adapters="",waiting_lora_adapters=""' in text
+    assert text.count("pagedllm:lora_requests_info{") == 1

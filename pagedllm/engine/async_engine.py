@@ -68,7 +68,8 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False, max_step_failures: int = 3):
         self.config, _, hf_config = load_model_config(config)  # resolved once, here
         self.max_step_failures = max_step_failures
-        self.metrics = EngineMetrics(self.config.model_name)
+        self.metrics = EngineMetrics(self.config.model_name,
+                                     self.config.max_loras if self.config.enable_lora else 0)
         self._lock = threading.Lock()  # the output processor and the streams
         self._streams: dict[str, _Stream] = {}
         self._dead: EngineDeadError | None = None  # set once the engine has stopped

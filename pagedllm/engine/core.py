@@ -137,10 +137,14 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv
-        return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.num_blocks,
-                              kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits,
-                              s.num_preemptions_total, s.spec_num_drafts, s.spec_num_draft_tokens,
-                              s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
+        stats = SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.num_blocks,
+                               kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits,
+                               s.num_preemptions_total, s.spec_num_drafts, s.spec_num_draft_tokens,
+                               s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
+        if self.config.enable_lora:
+            stats.running_loras = sorted({r.lora_request.lora_name for r in s.running if r.lora_request})
+            stats.waiting_loras = sorted({r.lora_request.lora_name for r in s.waiting if r.lora_request})
+        return stats
 
     # ------------------------------------------------------------------ requests
     def use_tokenizer(self, tokenizer) -> None:

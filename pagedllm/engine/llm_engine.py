@@ -44,7 +44,7 @@ class LLMEngine:
             self.core.shutdown()
             raise
         self.core.use_tokenizer(self.tokenizer)  # one tokenizer, one grammar cache
-        self.metrics = EngineMetrics(config.model_name)
+        self.metrics = EngineMetrics(config.model_name, config.max_loras if config.enable_lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())
 

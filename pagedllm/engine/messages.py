@@ -60,6 +60,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Multi-LoRA: the adapters (names) of the running and of the waiting sequences.
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
