@@ -96,6 +96,7 @@ def test_adapters_answer_as_peft(lora_server):
     with pytest.raises(openai.NotFoundError):
         _answer(client, "poet")
     assert _answer(client, "sql") == want["sql"]  # still serving
+    assert 'pagedllm:lora_requests_info{max_lora="2"' in httpx.get(f"{url}/metrics").text
 
 
 def test_lora_flags_are_checked_before_the_model_loads():
