@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec
+#   bash benchmarks/gpu_run.sh tests|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -15,6 +15,7 @@
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k;
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
+# lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -265,6 +266,12 @@ tp)
     summary "$OUT"/gpu-7b-tp*.json
     serve_7b tp2-c1 1 16 --tensor-parallel-size 2
     serve_7b tp1-c1 1 16
+    ;;
+lora)
+    # Multi-LoRA: its GPU tests (kernels, float32 parity vs PEFT through CUDA graphs, bf16),
+    # then gpu-7b base vs 8 adapters over 4 slots vs 1 adapter (each engine in its own process).
+    timeout 150 python3 -m pytest -q -m gpu tests/test_lora.py -p no:cacheprovider 2>&1 | tail -8
+    timeout 420 python3 benchmarks/lora_bench.py --output-json "$OUT/gpu-7b-lora.json" 2>&1 | tail -16
     ;;
 quant)
     timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 64 256 2048 2>&1 | tail -8

@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "EngineConfig": "pagedllm.config",
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
+    "LoRARequest": "pagedllm.lora_request",
     "RequestOutput": "pagedllm.outputs",
     "SamplingParams": "pagedllm.sampling_params",
 }
@@ -28,6 +29,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "Logprob",
+    "LoRARequest",
     "ModelEngine",
     "RequestOutput",
     "SamplingParams",
@@ -37,6 +39,7 @@ __all__ = [
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.entrypoints.llm import LLM, ModelEngine
+    from pagedllm.lora_request import LoRARequest
     from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
     from pagedllm.sampling_params import SamplingParams
 

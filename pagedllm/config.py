@@ -253,6 +253,13 @@ class EngineConfig:
     # Speculative decoding (SpeculativeConfig, or its dict / JSON spelling); None: off.
     # Turns async scheduling off (a step's drafts come from the previous step's tokens).
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Multi-LoRA: requests may name a PEFT adapter (LoRARequest); up to `max_loras` adapters
+    # run in one step, each of rank <= `max_lora_rank`, from device slots swapped LRU from a
+    # CPU cache of `max_cpu_loras` adapters (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
     # Set by resolve(): every default above has been filled in from the model and device.
     resolved: bool = False
 
@@ -325,6 +332,14 @@ class EngineConfig:
                 and self.tensor_parallel_size > 1):
             raise ValueError("speculative_config: method 'draft_model' runs on one device; "
                              "tensor_parallel_size > 1 takes method 'ngram'")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}) "
+                             f"or None, got {self.max_cpu_loras!r}")
 
     def resolve(self, hf_config, cuda_available: bool) -> EngineConfig:
         """A copy with every default filled once, from the model's config and the device:

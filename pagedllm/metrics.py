@@ -57,7 +57,8 @@ class BatchHistogram:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_loras: int = 0):
+        """`max_loras`: the engine's LoRA slots (0: LoRA off, no LoRA metric)."""
         self.registry = CollectorRegistry()
         lab = ["model_name"]
         r = self.registry
@@ -95,6 +96,14 @@ class EngineMetrics:
         self._spec_per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Speculative draft tokens accepted, by position in the draft.",
                                      ["model_name", "position"], registry=r)
+        # As vLLM's lora_requests_info: the adapters in labels, the time of the last change
+        # as the value; one series (the previous one is dropped when the adapters change).
+        self.max_loras = max_loras
+        self._lora_info = Gauge("pagedllm:lora_requests_info", "Running and waiting LoRA "
+                                "adapters (labels); the value is when they last changed.",
+                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                registry=r) if max_loras else None
+        self._last_loras: tuple | None = None
         self._last_queries = self._last_hits = self._last_preemptions = 0
         self._last_spec = (0, 0, 0)
         self._last_spec_pos: list[int] = []
@@ -113,6 +122,12 @@ class EngineMetrics:
         self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_queries, self._last_hits = stats.prefix_queries, stats.prefix_hits
         self._last_preemptions = stats.num_preemptions
+        if self._lora_info is not None:
+            loras = (",".join(stats.waiting_loras), ",".join(stats.running_loras))
+            if loras != self._last_loras:
+                self._lora_info.clear()
+                self._lora_info.labels(str(self.max_loras), *loras).set_to_current_time()
+                self._last_loras = loras
         spec = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
         if spec != self._last_spec:
             for c, now, last in zip((self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,

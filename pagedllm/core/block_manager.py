@@ -4,7 +4,8 @@ Every layer's cache has `num_blocks` blocks of `block_size` token slots; one blo
 addresses the same slot range in every layer, so one block table per request suffices.
 
 Prefix sharing: a *full* block is identified by a hash of (parent block hash, its token
-ids). Such blocks are registered in `cached`; a new request whose prompt starts with the
+ids); the first block's parent is the root of the request's LoRA adapter (the base model's
+root for none), so KV computed under one adapter is never shared with another. Such blocks are registered in `cached`; a new request whose prompt starts with the
 same tokens takes those blocks (ref count + 1) instead of computing them again. A block
 whose ref count drops to zero goes to the free queue but keeps its hash, so a later
 request can still hit it, until the pool needs the slot (least recently freed goes first).
@@ -31,6 +32,11 @@ _ROOT_HASH = b"pagedllm-root"
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def root_hash(lora_int_id: int) -> bytes:
+    """The parent of a request's first block: one root per adapter (0: the base model)."""
+    return _ROOT_HASH if not lora_int_id else hash_block(_ROOT_HASH + b"lora", [lora_int_id])
 
 
 class KVCacheManager:
@@ -73,7 +79,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         for i in range(len(hashes), req.num_tokens // bs):
-            parent = hashes[i - 1] if i else _ROOT_HASH
+            parent = hashes[i - 1] if i else root_hash(req.lora_int_id)
             hashes.append(hash_block(parent, req.tokens(i * bs, (i + 1) * bs)))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:

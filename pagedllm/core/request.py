@@ -46,6 +46,10 @@ class Request:
     skip_prefix_cache: bool = False
     # Opaque to the core: the worker reads sampling settings from here.
     sampling_params: Any = None
+    # Multi-LoRA: the adapter (opaque, a LoRARequest for the worker) and its id, 0 for the
+    # base model. The id keys the prefix cache and caps the adapters of one step.
+    lora_request: Any = None
+    lora_int_id: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)

@@ -44,6 +44,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: Any
+    lora_request: Any = None  # the worker loads its adapter into a slot
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Scheduler:
         max_model_len: int,
         max_prefill_tokens_with_decodes: int = 0,
         proposer: NgramProposer | None = None,
+        max_loras: int = 0,
     ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -108,6 +110,10 @@ class Scheduler:
             raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap), got "
                              f"{max_prefill_tokens_with_decodes}")
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        # Multi-LoRA: the running requests use at most this many adapters together, the
+        # workers' slots (0: LoRA off). A waiting request of another adapter waits, and
+        # the requests behind it may go first.
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -250,16 +256,23 @@ class Scheduler:
                 i += 1
 
         if out.num_preemptions == 0:
+            loras = {r.lora_int_id for r in self.running if r.lora_int_id}
+            held_back: list[Request] = []
             while (self.waiting and budget > 0 and prefill_left > 0
                    and len(self.running) < self.max_num_seqs):
                 req = self.waiting[0]
                 if req.num_pending:
                     break  # preempted with a token in flight: its prefill needs that token's id
+                if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+                    held_back.append(self.waiting.popleft())  # every slot is taken
+                    continue
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit_tokens, budget, prefill_left)
                 if not self.kv.allocate_slots(req, n, hits):
                     break
                 self.waiting.popleft()
+                if req.lora_int_id:
+                    loras.add(req.lora_int_id)
                 req.num_computed_tokens = num_hit_tokens
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit_tokens
@@ -269,6 +282,7 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
                 prefill_left -= n
+            self.waiting.extendleft(reversed(held_back))
 
         for req, n in scheduled:
             if req.request_id not in self._sent_to_worker:
@@ -279,6 +293,7 @@ class Scheduler:
                         req.prompt_token_ids,
                         list(req.output_token_ids),
                         req.sampling_params,
+                        req.lora_request,
                     )
                 )
             draft = drafts.get(req.request_id, [])

@@ -32,6 +32,7 @@ from pagedllm.engine.core_client import InprocClient, MPClient
 from pagedllm.engine.llm_engine import load_frontend
 from pagedllm.engine.messages import AbortRequests, AddRequest, EngineCoreOutputs, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -67,7 +68,8 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False, max_step_failures: int = 3):
         self.config, _, hf_config = load_model_config(config)  # resolved once, here
         self.max_step_failures = max_step_failures
-        self.metrics = EngineMetrics(self.config.model_name)
+        self.metrics = EngineMetrics(self.config.model_name,
+                                     self.config.max_loras if self.config.enable_lora else 0)
         self._lock = threading.Lock()  # the output processor and the streams
         self._streams: dict[str, _Stream] = {}
         self._dead: EngineDeadError | None = None  # set once the engine has stopped
@@ -115,7 +117,8 @@ class AsyncLLM:
         self._on_dead.append(callback)
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request until it finishes (a consumer slower
         than the engine gets the latest, skipping those in between). Cancelling the
         consumer (e.g. a client disconnect) aborts the request and frees its blocks."""
@@ -126,10 +129,10 @@ class AsyncLLM:
             raise self._dead
         if params.structured_outputs is None:
             ids, seq_params, requests = self.processor.process(request_id, prompt,
-                                                               prompt_token_ids, params)
+                                                               prompt_token_ids, params, lora_request)
         else:  # checking the constraint compiles it: seconds, maybe, and not on the loop
             ids, seq_params, requests = await asyncio.to_thread(
-                self.processor.process, request_id, prompt, prompt_token_ids, params)
+                self.processor.process, request_id, prompt, prompt_token_ids, params, lora_request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams or request_id in self.output_processor:

@@ -89,7 +89,7 @@ class EngineCore:
         self._grammar_drafts = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_prefill_tokens_with_decodes,
-                                   proposer)
+                                   proposer, config.max_loras if config.enable_lora else 0)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes a token (%s); %s",
                     num_blocks, config.block_size, num_blocks * config.block_size,
                     self.executor.bytes_per_block // config.block_size,
@@ -135,19 +135,27 @@ class EngineCore:
             "max_num_batched_tokens": c.max_num_batched_tokens,
             "max_prefill_tokens_with_decodes": c.max_prefill_tokens_with_decodes,
             "prefix_caching": c.enable_prefix_caching,
+            "lora": (f"max_loras {c.max_loras}, max_lora_rank {c.max_lora_rank}"
+                     if c.enable_lora else "off"),
         }
 
     def info(self) -> CoreInfo:
         return CoreInfo(vocab_size=self.executor.vocab_size, max_model_len=self.config.max_model_len,
                         pool_tokens=self.kv.num_blocks * self.kv.block_size,
-                        describe=self.describe(), async_scheduling=self.async_scheduling)
+                        describe=self.describe(), async_scheduling=self.async_scheduling,
+                        max_lora_rank=self.config.max_lora_rank if self.config.enable_lora else 0,
+                        lora_targets=list(self.executor.lora_targets))
 
     def stats(self) -> SchedulerStats:
         s, kv = self.scheduler, self.kv
-        return SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.num_blocks,
-                              kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits,
-                              s.num_preemptions_total, s.spec_num_drafts, s.spec_num_draft_tokens,
-                              s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
+        stats = SchedulerStats(len(s.running), len(s.waiting), kv.usage, kv.num_blocks,
+                               kv.num_free_blocks, kv.prefix_queries, kv.prefix_hits,
+                               s.num_preemptions_total, s.spec_num_drafts, s.spec_num_draft_tokens,
+                               s.spec_num_accepted_tokens, list(s.spec_accepted_per_pos))
+        if self.config.enable_lora:
+            stats.running_loras = sorted({r.lora_request.lora_name for r in s.running if r.lora_request})
+            stats.waiting_loras = sorted({r.lora_request.lora_name for r in s.waiting if r.lora_request})
+        return stats
 
     # ------------------------------------------------------------------ requests
     def use_tokenizer(self, tokenizer) -> None:
@@ -182,6 +190,9 @@ class EngineCore:
         ids = request.prompt_token_ids
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if request.lora_request is not None and not self.config.enable_lora:
+            raise ValueError("a LoRA adapter was requested but LoRA is off (enable_lora=True, "
+                             "--enable-lora)")
         rid = request.request_id
         if rid in self._inflight_ids() or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -205,6 +216,8 @@ class EngineCore:
             stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
             min_tokens=p.min_tokens, skip_prefix_cache=p.prompt_logprobs is not None,
             sampling_params=p, arrival_time=request.arrival_time,
+            lora_request=request.lora_request,
+            lora_int_id=request.lora_request.lora_int_id if request.lora_request else 0,
             # Verification samples every draft position from the same processed logits:
             # settings that change with each earlier token are not modelled there, except
             # a grammar, whose matcher gives each n-gram draft position its own mask (a

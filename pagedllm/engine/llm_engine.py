@@ -13,6 +13,7 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, eos_token_ids
+from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
 from pagedllm.outputs import RequestOutput
@@ -43,7 +44,7 @@ class LLMEngine:
             self.core.shutdown()
             raise
         self.core.use_tokenizer(self.tokenizer)  # one tokenizer, one grammar cache
-        self.metrics = EngineMetrics(config.model_name)
+        self.metrics = EngineMetrics(config.model_name, config.max_loras if config.enable_lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())
 
@@ -99,10 +100,11 @@ class LLMEngine:
         return self.processor.encode(prompt)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, lora_request: LoRARequest | None = None) -> None:
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids, seq_params, requests = self.processor.process(request_id, prompt, prompt_token_ids, params)
+        ids, seq_params, requests = self.processor.process(request_id, prompt, prompt_token_ids, params,
+                                                           lora_request)
         added = []
         try:
             for req in requests:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 # (token ids, logprobs, ranks) of one position: the chosen token first, then the top ones.
@@ -25,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams  # max_tokens already resolved (never None)
     eos_token_ids: list[int]
     arrival_time: float
+    lora_request: LoRARequest | None = None  # None: the base model
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -58,6 +60,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Multi-LoRA: the adapters (names) of the running and of the waiting sequences.
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -77,6 +82,8 @@ class CoreInfo(msgspec.Struct):
     pool_tokens: int
     describe: dict
     async_scheduling: bool
+    max_lora_rank: int = 0  # 0: LoRA is off
+    lora_targets: list[str] = []  # the projections (HF naming) an adapter may target
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):

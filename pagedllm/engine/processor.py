@@ -12,6 +12,8 @@ import os
 import time
 
 from pagedllm.engine.messages import CoreInfo, EngineCoreRequest
+from pagedllm.lora_request import LoRARequest
+from pagedllm.model_executor.lora.peft import inspect_adapter
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import validate_structured_outputs
 
@@ -49,6 +51,28 @@ class Processor:
         self.eos_ids = eos_ids
         # -1: as many as the vocabulary has (every alternative of every token).
         self.max_logprobs = info.vocab_size if max_logprobs == -1 else max_logprobs
+        self._adapters_seen: dict[int, str] = {}  # adapter id -> the path checked for it
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """ValueError for an adapter the engine cannot run (LoRA off, a missing file, a rank
+        above max_lora_rank, a module no LoRA layer serves), read from the folder's config
+        and header once per adapter id and path."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if not self.info.max_lora_rank:
+            raise ValueError("a LoRA adapter was requested but LoRA is off "
+                             "(enable_lora=True, --enable-lora)")
+        if self._adapters_seen.get(lora.lora_int_id) == lora.lora_path:
+            return
+        info = inspect_adapter(lora.lora_path, self.info.max_lora_rank)
+        served = set(self.info.lora_targets)
+        for module in info.modules:
+            if module not in served:
+                raise ValueError(f"LoRA adapter {lora.lora_path!r}: this model has no LoRA layer "
+                                 f"for target module {module}")
+        self._adapters_seen[lora.lora_int_id] = lora.lora_path
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -84,8 +108,10 @@ class Processor:
         return max_tokens
 
     def process(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                params: SamplingParams) -> tuple[list[int], list[SamplingParams], list[EngineCoreRequest]]:
+                params: SamplingParams, lora_request: LoRARequest | None = None,
+                ) -> tuple[list[int], list[SamplingParams], list[EngineCoreRequest]]:
         """(prompt token ids, each sequence's settings, the core requests) of one request."""
+        self.check_lora(lora_request)
         if prompt_token_ids is None:
             prompt_token_ids = self.encode(prompt or "")
         prompt_token_ids = list(prompt_token_ids)
@@ -103,5 +129,5 @@ class Processor:
                 p.prompt_logprobs = None  # the prompt is reported once
             seq_params.append(p)
             requests.append(EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids,
-                                              p, self.eos_ids, now))
+                                              p, self.eos_ids, now, lora_request))
         return prompt_token_ids, seq_params, requests

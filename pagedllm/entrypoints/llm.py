@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.generation_config import default_sampling_overrides
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,17 +47,26 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or a list (one per prompt, None
+        for the base model); adapters need enable_lora=True."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 rid = str(next(self._counter))
                 text, token_ids = self._split_prompt(prompt)
-                self.engine.add_request(rid, text, token_ids, p)
+                self.engine.add_request(rid, text, token_ids, p, lora)
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -71,6 +81,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
@@ -82,7 +93,7 @@ class LLM:
                                            add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -28,6 +28,7 @@ class Executor(Protocol):
     weight_bytes: int
     bytes_per_block: int
     page_spec: PageSpec  # what a token costs in one layer's pages (the model's attention says)
+    lora_targets: list[str]  # projections (HF naming) adapters may target; [] without LoRA
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int: ...
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
@@ -67,6 +68,7 @@ class RankGroupExecutor:
         self.weight_bytes = info["weight_bytes"]
         self.bytes_per_block = info["bytes_per_block"]
         self.page_spec = info["page_spec"]
+        self.lora_targets = info["lora_targets"]
 
     def _run(self, method: str, args: tuple) -> list:
         raise NotImplementedError

@@ -22,6 +22,10 @@ class UniprocExecutor:
         return self.runner.model
 
     @property
+    def lora_targets(self) -> list[str]:
+        return self.runner.lora.targets() if self.runner.lora is not None else []
+
+    @property
     def weight_bytes(self) -> int:
         return self.runner.weight_bytes
 

@@ -53,7 +53,8 @@ class Worker:
         r = self.runner
         return {"device": r.device, "dtype": r.dtype, "vocab_size": r.vocab_size,
                 "weight_bytes": r.weight_bytes, "bytes_per_block": r.bytes_per_block,
-                "page_spec": r.page_spec}
+                "page_spec": r.page_spec,
+                "lora_targets": r.lora.targets() if r.lora is not None else []}
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         return self.runner.determine_num_blocks(max_num_batched_tokens, max_num_seqs)

@@ -6,6 +6,9 @@ live in one persistent int32 device buffer (token ids, positions, slots, context
 block tables) that a single host-to-device copy refreshes before each replay. A batch is
 padded up to the nearest captured size; padding rows write no KV (slot -1) and attend to
 one key of block 0, and their logits are ignored.
+
+With LoRA the graphs hold the adapter kernels too: they read each row's slot from the
+LoRABatch's persistent buffer, refreshed before each replay (padding rows use none).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int):
+    def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
+                 lora=None):
+        self.lora = lora  # a LoRABatch, or None
         self.sizes = capture_sizes(max_batch)
         self.max_batch = b = self.sizes[-1]
         self.width = w = max_blocks
@@ -54,6 +59,9 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
             meta = self._meta(size)
             ids, pos = self._field("ids", size), self._field("pos", size)
+            if lora is not None:  # captured with the adapter kernels in (no row uses one yet)
+                lora.bind(size)
+                lora.active = True
             for _ in range(2):  # compile kernels and settle allocations outside the capture
                 model.compute_logits(model(ids, pos, kv_caches, meta))
             torch.cuda.synchronize(device)
@@ -63,6 +71,8 @@ class DecodeGraphs:
             pool = g.pool()
             self.graphs[size] = g
         torch.cuda.synchronize(device)
+        if lora is not None:
+            lora.active = False
 
     def _field(self, name: str, size: int, buf: torch.Tensor | np.ndarray | None = None):
         buf = self.dev if buf is None else buf
@@ -110,5 +120,7 @@ class DecodeGraphs:
         done.record()
         if before_replay is not None:
             before_replay(self._field("ids", n))
+        if self.lora is not None:
+            self.lora.set(arrays["lora_slots"], size)
         self.graphs[size].replay()
         return self.logits[size][:n]

@@ -35,6 +35,7 @@ from pagedllm.model_executor.layers.sampler import (
 from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
+from pagedllm.worker.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _ReqState:
     num_prompt: int
     params: SamplingParams
     generator: torch.Generator | None
+    lora: object = None  # its LoRARequest; None: the base model
     prompt_lp_next: int = 1  # next prompt position whose logprob is still owed
     num_pending: int = 0  # sampled by launched steps whose results are not read yet
     draft_computed: int = 0  # positions the draft model has KV for (draft_model speculation)
@@ -202,6 +204,13 @@ class ModelRunner:
         self.backend = get_attention_backend(self.device, self.batch_invariant)
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
                                 self.dtype, config.seed, config.quantization)
+        # Multi-LoRA: adapter slots in the model's projections, filled as steps need them.
+        self.lora = None
+        # request id -> why its adapter did not load ("" once reported), until it ends
+        self._bad_lora: dict[str, str] = {}
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, config, self.device, self.dtype,
+                                    max(config.max_num_batched_tokens, 256))
         s = self.model.shape
         self.num_layers, self.vocab_size = s.num_layers, s.vocab
         # What a token costs in every layer's pages: the model's attention layers say
@@ -283,7 +292,8 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
-                                       min(max_num_seqs, 256), max_blocks)
+                                       min(max_num_seqs, 256), max_blocks,
+                                       self.lora.batch if self.lora is not None else None)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
@@ -304,6 +314,7 @@ class ModelRunner:
         scheduler's."""
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
+            self._bad_lora.pop(rid, None)
         for new in so.new_requests:
             p: SamplingParams = new.sampling_params
             gen = None
@@ -312,8 +323,13 @@ class ModelRunner:
                 gen.manual_seed(p.seed)
             self.states[new.request_id] = _ReqState(
                 list(new.prompt_token_ids) + list(new.output_token_ids),
-                len(new.prompt_token_ids), p, gen,
+                len(new.prompt_token_ids), p, gen, new.lora_request,
             )
+            if self.lora is not None and new.lora_request is not None:
+                try:  # read now, so that an adapter that cannot load fails its request alone
+                    self.lora.prefetch(new.lora_request)
+                except ValueError as e:
+                    self._bad_lora[new.request_id] = str(e)
         self.block_tables.update(so.finished_req_ids, so.chunks)
 
     def _layout(self, chunks) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
@@ -423,8 +439,14 @@ class ModelRunner:
         if self.drafter is not None:  # the scheduler reserved the slots; the draft fills them
             self.drafter.propose([c for c in so.chunks if c.draft_token_ids])
         chunks = sorted(so.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
-        num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         out = RunnerOutput()
+        if self._bad_lora:  # these fail alone (the core aborts them); the rest runs
+            for c in chunks:  # reported once; a step scheduled before the abort skips them
+                if self._bad_lora.get(c.request_id):
+                    out.failed[c.request_id] = self._bad_lora[c.request_id]
+                    self._bad_lora[c.request_id] = ""
+            chunks = [c for c in chunks if c.request_id not in self._bad_lora]
+        num_decode = sum(1 for c in chunks if c.num_tokens == 1)
         if not chunks:
             return LaunchedStep(self, out, [], None, None)
         lens, arrays, _ = self._layout(chunks)
@@ -441,6 +463,9 @@ class ModelRunner:
                 sample_ids.append(c.request_id)
                 drafts.extend(c.draft_token_ids)
                 drafts.append(-1)
+        if self.lora is not None:  # each row's adapter slot (adapters loaded as needed)
+            slots = self.lora.slots_for([self.states[c.request_id].lora for c in chunks])
+            arrays["lora_slots"] = np.repeat(np.asarray(slots, dtype=np.int32), lens)
         spec_counts = None
         if len(sample_rows) > len(sample_ids):
             spec_counts = [len(c.draft_token_ids) + 1 for c in chunks if c.sample]
@@ -449,6 +474,8 @@ class ModelRunner:
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows:
             graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
         if graph_logits is None:
+            if self.lora is not None:
+                self.lora.prepare(arrays["lora_slots"], len(arrays["lora_slots"]))
             ids, pos, meta = self._metadata(arrays, num_decode)
             self._fill_pending(ids, arrays)
             hidden = self.model(ids, pos, self.kv_caches, meta)

@@ -45,6 +45,7 @@ from .cli_args import (
     engine_config,
     ignored_vllm_flags,
     load_chat_template,
+    lora_modules,
     make_arg_parser,
     monitoring_options,
     parse_args,
@@ -73,14 +74,17 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import Admission, APIError, OpenAIServing, model_root
+from .serving_models import ServedAdapters
 from .shutdown import Drain, DrainingServer, DrainMiddleware, route_path
 
 logger = logging.getLogger("pagedllm.server")
@@ -324,13 +328,17 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
               allowed_origins: list[str] | None = None,
               options: ChatOptions | None = None,
               monitoring: MonitoringOptions | None = None,
-              sampling_defaults: dict | None = None) -> FastAPI:
+              sampling_defaults: dict | None = None,
+              lora_modules: list[tuple[str, str]] | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI app over a running engine. `chat_template` is the template text;
     `options` the tool and reasoning parsers of chat answers; `monitoring` the stats line,
     request logging and vLLM metric names; `sampling_defaults` the default sampling
     settings (None: read as config.generation_config says). While the app runs, a
     background task samples the engine once a second for /dashboard, and another writes
-    the stats line.
+    the stats line. `lora_modules`: (name, path) of the LoRA adapters served from the start
+    (ValueError for one the engine cannot run); `allow_runtime_lora_updating` adds the
+    routes that load and unload adapters while serving.
     `app.state.drain` is the drain the server starts on SIGTERM."""
     limits = limits or ServerLimits()
     monitoring = monitoring or MonitoringOptions()
@@ -340,12 +348,16 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     admission = Admission(limits.max_waiting_requests)
     if sampling_defaults is None:
         sampling_defaults = default_sampling_overrides(config.generation_config, config.model)
-    base = OpenAIServing(engine, config, chat_template, admission)
+    adapters = ServedAdapters(lambda lora: engine.processor.check_lora(lora))
+    base = OpenAIServing(engine, config, chat_template, admission, adapters=adapters)
+    for name, path in lora_modules or []:
+        adapters.load(name, path, base.aliases)
     completions = OpenAIServingCompletion(engine, config, chat_template, admission,
                                           limits.max_response_logprobs,
-                                          sampling_defaults=sampling_defaults)
+                                          sampling_defaults=sampling_defaults, adapters=adapters)
     chat = OpenAIServingChat(engine, config, chat_template, admission, limits.max_response_logprobs,
-                             sampling_defaults=sampling_defaults, options=options)
+                             sampling_defaults=sampling_defaults, options=options,
+                             adapters=adapters)
     for serving in (completions, chat):
         serving.log_requests = monitoring.log_requests
     app.state.admission = admission
@@ -421,8 +433,30 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     @app.get("/v1/models")
     async def models() -> ModelList:
         root = model_root(config)
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=base.max_model_len)
-                               for name in base.served_names])
+        cards = [ModelCard(id=name, root=root, max_model_len=base.max_model_len)
+                 for name in base.served_names]
+        cards += [ModelCard(id=lora.lora_name, root=lora.lora_name, parent=base.model_name,
+                            max_model_len=base.max_model_len) for lora in adapters.all()]
+        return ModelList(data=cards)
+
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            try:
+                await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path,
+                                        base.aliases)
+            except ValueError as e:
+                raise APIError(str(e), 400, "lora_path" if "adapter" in str(e) else "lora_name") from None
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                            media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            if adapters.unload(body.lora_name) is None:
+                raise APIError(f"The LoRA adapter `{body.lora_name}` is not loaded.", 404,
+                               "lora_name", "model_not_found")
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                            media_type="text/plain")
 
     @app.get("/v1/engine/stats")
     async def stats() -> dict:
@@ -481,6 +515,7 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
     d = engine.describe()
     shown_host = "localhost" if host in ("0.0.0.0", "::", "") else host
     base = f"{scheme}://{shown_host}:{port}{prefix}"
+    lora = [f"  LoRA         {d['lora']}"] if d.get("lora", "off") != "off" else []
     return "\n".join([
         f"pagedllm {__version__}: serving {', '.join(names)}",
         f"  model        {d.get('model')}",
@@ -492,6 +527,7 @@ def startup_banner(engine: AsyncLLM, config: EngineConfig, names: list[str], hos
         f"(prompt tokens at most {d.get('max_prefill_tokens_with_decodes') or 'all of them'} "
         f"while sequences decode), max_num_seqs {d.get('max_num_seqs')}, prefix caching "
         f"{'on' if d.get('prefix_caching') else 'off'}",
+        *lora,
         f"  API          {base}/v1 (listening on {host}:{port}"
         f"{', API key required' if api_key else ''})",
         f"  monitoring   {base}/metrics (Prometheus), {base}/dashboard"
@@ -530,6 +566,7 @@ def run_server(args: argparse.Namespace) -> None:
         monitoring = monitoring_options(args)
         ssl_keyfile, ssl_certfile = ssl_files(args)
         prefix = root_path(args)
+        loras = lora_modules(args)
         # Read before the model loads: a wrong --generation-config folder fails at once.
         sampling_defaults = default_sampling_overrides(config.generation_config, config.model)
     except (ValueError, OSError, RuntimeError) as e:
@@ -542,11 +579,16 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"pagedllm: cannot start: {e}") from None
     try:
         api_key = resolve_api_key(args)
-        app = build_app(engine, config, api_key=api_key, chat_template=chat_template,
-                        metrics_require_api_key=args.metrics_require_api_key,
-                        health_require_api_key=args.health_require_api_key, limits=limits,
-                        allowed_origins=args.allowed_origins, options=options,
-                        monitoring=monitoring, sampling_defaults=sampling_defaults)
+        try:
+            app = build_app(engine, config, api_key=api_key, chat_template=chat_template,
+                            metrics_require_api_key=args.metrics_require_api_key,
+                            health_require_api_key=args.health_require_api_key, limits=limits,
+                            allowed_origins=args.allowed_origins, options=options,
+                            monitoring=monitoring, sampling_defaults=sampling_defaults,
+                            lora_modules=loras,
+                            allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+        except ValueError as e:  # a --lora-modules adapter the engine cannot run
+            raise SystemExit(f"pagedllm: cannot start: {e}") from None
         names = OpenAIServing(engine, config).served_names
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
                              args.metrics_require_api_key,

@@ -224,6 +224,23 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
                    "(turns async scheduling off; default: off)")
 
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true", default=None,
+                    help="serve PEFT LoRA adapters beside the base model; a request picks one "
+                    "by its `model` field")
+    lo.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", type=_lora_module,
+                    help="adapters to serve from the start (needs --enable-lora)")
+    lo.add_argument("--max-loras", type=_positive_int, metavar="N",
+                    help=f"adapters one engine step may run (GPU slots) {_default('max_loras')}")
+    lo.add_argument("--max-lora-rank", type=_positive_int, metavar="R",
+                    help=f"the largest adapter rank served {_default('max_lora_rank')}")
+    lo.add_argument("--max-cpu-loras", type=_positive_int, metavar="N",
+                    help="adapters kept in CPU memory for swapping into the slots "
+                    "(default: --max-loras)")
+    lo.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                    "(default: off)")
+
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all)")
     s.add_argument("--port", type=_port, default=8000, help="(default: 8000)")
@@ -305,6 +322,23 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     return p
 
 
+def _lora_module(value: str) -> tuple[str, str]:
+    name, eq, path = value.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
+def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The --lora-modules pairs; ValueError when given without --enable-lora."""
+    mods = list(args.lora_modules or [])
+    if mods and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    return mods
+
+
 def model_from_args(args: argparse.Namespace) -> str | None:
     tag = getattr(args, "model_tag", None)
     if tag and args.model and tag != args.model:
@@ -321,7 +355,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",
-             "generation_config", "speculative_config"]
+             "generation_config", "speculative_config", "enable_lora", "max_loras",
+             "max_lora_rank", "max_cpu_loras"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return EngineConfig(model=model_from_args(args), **given)
 

@@ -278,7 +278,17 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str  # vLLM's optional lora_int_id is ignored: names are unique here
 
 
 class ModelList(BaseModel):

@@ -149,14 +149,14 @@ class OpenAIServingChat(OpenAIServing):
             choices.append(ChatChoice(index=o.index, message=message,
                                       logprobs=self._logprobs(req, o.token_ids, o.logprobs),
                                       finish_reason=finish_reason, stop_reason=o.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
                                       usage=self._usage(len(final.prompt_token_ids), final))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_tokens: int,
                       outputs, parser: OutputParser | None) -> AsyncIterator[str | bytes]:
         # Every chunk of one response carries the same id, creation time and model.
         head = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
-                "model": self.model_name}
+                "model": self.response_model(req)}
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
             return sse(ChatCompletionChunk(**head, choices=choices, usage=usage))

@@ -86,7 +86,7 @@ class _Run:
                  prompts: list[Prompt], scoring: bool):
         self.serving, self.req, self.id, self.scoring = serving, req, request_id, scoring
         self.prompts = prompts
-        self.model = serving.model_name
+        self.model = serving.response_model(req)
 
     def echo_text(self, i: int) -> str:
         text, ids = self.prompts[i]

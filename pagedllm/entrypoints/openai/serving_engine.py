@@ -37,6 +37,7 @@ from .protocol import (
     SamplingRequest,
     check_bounded,
 )
+from .serving_models import ServedAdapters
 from .structured_outputs import structured_outputs
 
 logger = logging.getLogger(__name__)
@@ -206,9 +207,10 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, config: EngineConfig, chat_template: str | None = None,
                  admission: Admission | None = None, max_response_logprobs: int = 0,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, adapters: ServedAdapters | None = None):
         """`sampling_defaults`: SamplingParams fields (generation_config.json's, see
-        engine/generation_config.py) for requests that leave them out."""
+        engine/generation_config.py) for requests that leave them out; `adapters`: the
+        LoRA adapters served (shared by every endpoint)."""
         self.engine = engine
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_logprobs = config.max_logprobs  # -1: no cap here (the vocabulary's)
@@ -220,16 +222,24 @@ class OpenAIServing:
         self.chat_template = chat_template
         self.served_names = served_model_names(config)
         self.aliases = model_aliases(config)
+        self.adapters = adapters or ServedAdapters(lambda lora: engine.processor.check_lora(lora))
 
     @property
     def model_name(self) -> str:
         return self.served_names[0]
 
+    def response_model(self, request: BaseModel | None) -> str:
+        """The model a response names: the LoRA adapter asked for, else the base model."""
+        name = getattr(request, "model", None)
+        return name if name in self.adapters else self.model_name
+
     # ------------------------------------------------------------------ checks
     def check_request(self, request: OpenAIRequest) -> None:
-        if request.model is not None and request.model not in self.aliases:
+        if (request.model is not None and request.model not in self.aliases
+                and request.model not in self.adapters):
+            names = [*self.served_names, *(a.lora_name for a in self.adapters.all())]
             raise APIError(f"The model `{request.model}` does not exist; this server has "
-                           f"{', '.join(self.served_names)}.", 404, "model", "model_not_found")
+                           f"{', '.join(names)}.", 404, "model", "model_not_found")
         unknown = request.unknown_fields()
         if unknown:  # names chosen by the client: a few, shortened, quoted
             shown = ", ".join(repr(name[:40]) for name in unknown[:5])
@@ -375,8 +385,10 @@ class OpenAIServing:
         if logging_on:
             log_accepted(request_id, self.endpoint, [len(ids) for _, ids in prompts], params)
         try:
+            lora = self.adapters.get(getattr(request, "model", None))
+            extra = {} if lora is None else {"lora_request": lora}
             gens = [self.engine.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                                         text, ids, params)
+                                         text, ids, params, **extra)
                     for i, (text, ids) in enumerate(prompts)]
             firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
         except BaseException:  # cancelled (client gone, deadline) before its first token
