@@ -34,6 +34,7 @@ import torch
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import resolve_source
+from pagedllm.worker.model_runner import chunk_arrays, zeroed_kv_tensor
 
 if TYPE_CHECKING:
     from pagedllm.config import SpeculativeConfig
@@ -72,8 +73,6 @@ class DraftRunner:
         return self.runner.block_size * self.model.page_spec.bytes_per_token(self.shape.num_layers, elem)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        from pagedllm.worker.model_runner import zeroed_kv_tensor
-
         s, r, spec = self.shape, self.runner, self.model.page_spec
         shape = spec.pool_shape(s.num_layers, num_blocks, r.block_size)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, r.kv_dtype, r.device)
@@ -125,19 +124,14 @@ class DraftRunner:
         """One draft forward over `lens[i]` positions from `starts[i]` of each request;
         returns each request's greedy next token (on the device)."""
         r = self.runner
-        bs = r.block_size
         n = len(rids)
         starts_a = np.asarray(starts, dtype=np.int64)
         lens_a = np.asarray(lens, dtype=np.int64)
         q_start = np.zeros(n, dtype=np.int64)
         np.cumsum(lens_a[:-1], out=q_start[1:])
         tables, _ = r.block_tables.gather(r.block_tables.rows(iter(rids), n))
-        total = int(lens_a.sum())
-        seq_of_row = np.repeat(np.arange(n), lens_a)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - starts_a, lens_a)
-        slots = tables[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
-        arrays = {"ids": np.zeros(total, dtype=np.int64), "positions": positions, "slots": slots,
-                  "q_start": q_start, "q_len": lens_a, "ctx_len": starts_a + lens_a, "tables": tables}
+        arrays = chunk_arrays(starts_a, lens_a, q_start, tables, r.block_size)
+        arrays["ids"] = np.zeros(len(arrays["positions"]), dtype=np.int64)  # the ids are on the device
         num_decode = int((lens_a == 1).sum())
         _, pos, meta = r._metadata(arrays, num_decode, self.shape)
         hidden = self.model(ids.to(r.device), pos, self.kv_caches, meta)

@@ -40,6 +40,19 @@ from pagedllm.worker.lora_manager import LoRAManager
 logger = logging.getLogger(__name__)
 
 
+def chunk_arrays(starts: np.ndarray, lens: np.ndarray, q_start: np.ndarray, tables: np.ndarray,
+                 block_size: int) -> dict[str, np.ndarray]:
+    """Positions and cache slots of every token of a step's chunks (`lens[i]` tokens of
+    sequence i from position `starts[i]`, rows from `q_start[i]`), with the per-sequence
+    arrays the attention metadata is built from; numpy, no per-token Python."""
+    total = int(lens.sum())
+    seq_of_row = np.repeat(np.arange(len(lens)), lens)
+    positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - starts, lens)
+    slots = tables[seq_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return {"positions": positions, "slots": slots, "q_start": q_start, "q_len": lens,
+            "ctx_len": starts + lens, "tables": tables}
+
+
 def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A zeroed KV tensor. Zeros matter: attention masks unused slots, but 0 * NaN from
@@ -361,12 +374,9 @@ class ModelRunner:
             else:  # drafts follow the known tokens (speculative decoding)
                 ids.extend(toks[c.start : c.start + c.num_tokens - len(c.draft_token_ids)])
                 ids.extend(c.draft_token_ids)
-        total = int(lens.sum())
-        seq_of_row = np.repeat(np.arange(n), lens)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - starts, lens)
-        slots = tables[seq_of_row, positions // bs].astype(np.int64) * bs + positions % bs
-        arrays = {"ids": np.asarray(ids, dtype=np.int64), "positions": positions, "slots": slots,
-                  "q_start": q_start, "q_len": lens, "ctx_len": starts + lens, "tables": tables}
+        arrays = chunk_arrays(starts, lens, q_start, tables, bs)
+        arrays["ids"] = np.asarray(ids, dtype=np.int64)
+        total = len(arrays["positions"])
         if fill_rows:
             arrays["fill"] = np.array([fill_rows, fill_src], dtype=np.int64)
         return lens, arrays, total
