@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.generation_config import default_sampling_overrides
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -64,6 +65,36 @@ class LLM:
             raise
         return self._run(ids)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (`out.outputs.embedding`), pooled as the checkpoint says
+        (sentence-transformers' files) unless `pooling_params` says otherwise; batched and
+        paged like generation. Instruction prefixes are the caller's to add."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        ids = []
+        try:
+            for prompt in prompts:
+                rid = str(next(self._counter))
+                text, token_ids = self._split_prompt(prompt)
+                self.engine.add_pooling_request(rid, text, token_ids, pooling_params,
+                                                truncate_prompt_tokens)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outs = self._run(ids)
+        for out in outs:
+            if out.error is not None:
+                raise RuntimeError(f"embedding failed: {out.error}")
+        return outs
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -106,8 +137,8 @@ class LLM:
             return prompt.get("prompt"), prompt.get("prompt_token_ids")
         raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str]) -> list:
+        final: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         pending = set(ids)
         while pending and self.engine.has_unfinished_requests():
             for out in self.engine.step(final_only=True):
