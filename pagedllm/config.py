@@ -19,6 +19,10 @@ ALIASES = {
     "max_tokens_per_batch": "max_num_batched_tokens",
 }
 
+# vLLM's older --task values -> the runner they select.
+TASKS = {"embed": "pooling", "generate": "generate"}
+RUNNERS = ("generate", "pooling")
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # CPU pool when the user sets nothing: 2 GiB
 # Tokens per step when the user sets no budget: a GPU step this size keeps the matmuls
@@ -239,6 +243,10 @@ class EngineConfig:
     # Speculative decoding (SpeculativeConfig, or its dict / JSON spelling); None: off.
     # Turns async scheduling off (a step's drafts come from the previous step's tokens).
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # "generate", or "pooling": the model serves embeddings only (the generation
+    # endpoints refuse, and no decode graphs are captured). vLLM's older spelling
+    # task="embed" (task="generate") is taken as an alias.
+    runner: str = "generate"
     # Set by resolve(): every default above has been filled in from the model and device.
     resolved: bool = False
 
@@ -248,6 +256,8 @@ class EngineConfig:
         resolved: dict = {}
         for key, value in kwargs.items():
             name = ALIASES.get(key, key)
+            if name == "task":
+                name, value = "runner", TASKS.get(value, value)
             if name == "kv_cache_memory":
                 name, value = "kv_cache_memory_bytes", parse_bytes(value)
             if name not in known:
@@ -290,6 +300,9 @@ class EngineConfig:
             self.quantization = self.quantization.lower()
             if self.quantization not in ("gptq", "awq", "gguf", "fp8"):
                 raise ValueError(f"quantization must be gptq|awq|gguf|fp8 or None (detect), got {self.quantization!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be generate|pooling (task: generate|embed), got "
+                             f"{self.runner!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):

@@ -178,3 +178,23 @@ def test_limits_and_truncation(tmp_path):
     full = llm.embed({"prompt_token_ids": whole[:9]},
                      pooling_params=PoolingParams("LAST", False))[0].outputs.embedding
     np.testing.assert_allclose(short, np.array(full[:8]) / np.linalg.norm(full[:8]), rtol=1e-5)
+
+
+def test_base_model_checkpoint(tmp_path):
+    """An embedding checkpoint saved as a bare base model (Qwen3Model: no `model.` prefix,
+    no lm_head), as sentence-transformers saves decoder embedding models."""
+    from hf_models import make_config
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    base = AutoModel.from_config(make_config("qwen3", tie_word_embeddings=False),
+                                 torch_dtype=torch.float32).eval()
+    path = str(tmp_path / "base")
+    base.save_pretrained(path)
+    assert base.config.architectures == ["Qwen3Model"]
+    llm = make_llm(path, skip_tokenizer_init=True)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    with torch.no_grad():
+        ref = torch.nn.functional.normalize(base(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+    got = llm.embed({"prompt_token_ids": ids})[0].outputs.embedding
+    np.testing.assert_allclose(got, ref.numpy(), rtol=1e-4, atol=1e-5)

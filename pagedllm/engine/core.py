@@ -66,7 +66,8 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks(config.max_num_batched_tokens,
                                                             config.max_num_seqs)
             self.executor.allocate_kv_cache(num_blocks)
-            self.executor.capture_graphs(config.max_num_seqs)
+            if config.runner != "pooling":  # embeddings never decode
+                self.executor.capture_graphs(config.max_num_seqs)
         except BaseException:
             self.executor.shutdown()
             raise

@@ -48,6 +48,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        if self.config.runner == "pooling":
+            raise ValueError("this model runs for embeddings only (runner='pooling'): use embed()")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)

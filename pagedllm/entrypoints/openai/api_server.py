@@ -73,6 +73,7 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -80,6 +81,7 @@ from .protocol import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
+from .serving_embedding import OpenAIServingEmbedding
 from .serving_engine import Admission, APIError, OpenAIServing, model_root
 from .shutdown import Drain, DrainingServer, DrainMiddleware, route_path
 
@@ -348,6 +350,13 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
                              sampling_defaults=sampling_defaults, options=options)
     for serving in (completions, chat):
         serving.log_requests = monitoring.log_requests
+    embeddings = OpenAIServingEmbedding(engine, config, admission=admission)
+    pooling_only = config.runner == "pooling"
+
+    def generation_route() -> None:
+        if pooling_only:
+            raise APIError("this server runs its model for embeddings only (--runner "
+                           "pooling): use /v1/embeddings", 400, code="model_not_supported")
     app.state.admission = admission
     app.state.drain = drain = Drain(limits.shutdown_timeout)
     # Added innermost first: CORS (answering preflights, which carry no key) runs first,
@@ -431,11 +440,17 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        generation_route()
         return await _respond(request, completions.create(body), limits.request_timeout)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        generation_route()
         return await _respond(request, chat.create(body), limits.request_timeout)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, embeddings.create(body), limits.request_timeout)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
