@@ -79,10 +79,12 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from .responses_store import ResponseStore
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_embedding import OpenAIServingEmbedding
 from .serving_engine import Admission, APIError, OpenAIServing, model_root
+from .serving_responses import OpenAIServingResponses, ResponsesRequest
 from .shutdown import Drain, DrainingServer, DrainMiddleware, route_path
 
 logger = logging.getLogger("pagedllm.server")
@@ -287,7 +289,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[str]],
+async def _respond(request: Request, work: Awaitable[BaseModel | dict | AsyncIterator[str]],
                    timeout: float | None = None) -> Response:
     """Run `work` until it answers, the client goes away or `timeout` seconds pass. A
     request that is not streamed is cancelled (and so aborted in the engine) when its client
@@ -314,6 +316,8 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
     result = task.result()
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump())
+    if isinstance(result, dict):
+        return JSONResponse(result)
     if deadline is not None:
         result = with_deadline(result, deadline, timeout)
     return StreamingResponse(result, media_type="text/event-stream",
@@ -326,11 +330,13 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
               allowed_origins: list[str] | None = None,
               options: ChatOptions | None = None,
               monitoring: MonitoringOptions | None = None,
-              sampling_defaults: dict | None = None) -> FastAPI:
+              sampling_defaults: dict | None = None,
+              responses_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app over a running engine. `chat_template` is the template text;
     `options` the tool and reasoning parsers of chat answers; `monitoring` the stats line,
     request logging and vLLM metric names; `sampling_defaults` the default sampling
-    settings (None: read as config.generation_config says). While the app runs, a
+    settings (None: read as config.generation_config says); `responses_store` keeps the
+    Responses API's stored responses (None: one of the default bounds). While the app runs, a
     background task samples the engine once a second for /dashboard, and another writes
     the stats line.
     `app.state.drain` is the drain the server starts on SIGTERM."""
@@ -351,6 +357,9 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     for serving in (completions, chat):
         serving.log_requests = monitoring.log_requests
     embeddings = OpenAIServingEmbedding(engine, config, admission=admission)
+    responses = OpenAIServingResponses(
+        chat, ResponseStore() if responses_store is None else responses_store)
+    app.state.responses_store = responses.store
     pooling_only = config.runner == "pooling"
 
     def generation_route() -> None:
@@ -447,6 +456,19 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         generation_route()
         return await _respond(request, chat.create(body), limits.request_timeout)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        generation_route()
+        return await _respond(request, responses.create(body), limits.request_timeout)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
@@ -561,7 +583,8 @@ def run_server(args: argparse.Namespace) -> None:
                         metrics_require_api_key=args.metrics_require_api_key,
                         health_require_api_key=args.health_require_api_key, limits=limits,
                         allowed_origins=args.allowed_origins, options=options,
-                        monitoring=monitoring, sampling_defaults=sampling_defaults)
+                        monitoring=monitoring, sampling_defaults=sampling_defaults,
+                        responses_store=ResponseStore(args.responses_store_max))
         names = OpenAIServing(engine, config).served_names
         print(startup_banner(engine, config, names, args.host, args.port, bool(api_key),
                              args.metrics_require_api_key,

@@ -17,6 +17,7 @@ from pagedllm.config import TASKS, EngineConfig, parse_bytes
 
 from .monitoring import DEFAULT_STATS_INTERVAL, MonitoringOptions
 from .reasoning_parsers import REASONING_PARSERS
+from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES
 from .tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -173,6 +174,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     m.add_argument("--task", choices=["generate", "embed"],
                    help="vLLM's older spelling of --runner: embed = --runner pooling")
     m.add_argument("--seed", type=int, help=_default("seed"))
+    m.add_argument("--responses-store-max", type=int, metavar="N", default=DEFAULT_MAX_RESPONSES,
+                   help="the most responses the Responses API keeps in memory (store=true), "
+                   "least recently used evicted first; also bounded to "
+                   f"{DEFAULT_MAX_BYTES // 2**20} MiB (default: {DEFAULT_MAX_RESPONSES})")
     m.add_argument("--generation-config", metavar="{auto,vllm,PATH}",
                    help="default sampling settings for requests that do not set them: auto "
                    "takes temperature, top_p, top_k, min_p, repetition_penalty and "
