@@ -94,12 +94,10 @@ class LaunchedStep:
 
     def set_pooled(self, ids: list[str], vectors: list[torch.Tensor]) -> None:
         flat = torch.cat(vectors)
-        if self.runner.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
+        if self.runner.device.type == "cuda":  # into pinned memory, as the tokens are
+            flat = flat.to("cpu", non_blocking=True)
             self.pooled_event = torch.cuda.Event()
             self.pooled_event.record()
-            flat = host
         self.pooled = (ids, [len(v) for v in vectors], flat)
 
     def _read_pooled(self) -> None:
