@@ -20,15 +20,19 @@ _EXPORTS: dict[str, str] = {
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
     "RequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
     "SamplingParams": "pagedllm.sampling_params",
 }
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "Logprob",
     "ModelEngine",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",
@@ -37,7 +41,8 @@ __all__ = [
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.entrypoints.llm import LLM, ModelEngine
-    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 
