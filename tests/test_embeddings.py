@@ -198,3 +198,28 @@ def test_base_model_checkpoint(tmp_path):
         ref = torch.nn.functional.normalize(base(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
     got = llm.embed({"prompt_token_ids": ids})[0].outputs.embedding
     np.testing.assert_allclose(got, ref.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pooling", ["MEAN", "LAST"])
+def test_gpu_matches_sentence_transformers(base_dir, tmp_path, pooling):
+    """On CUDA (Triton attention, async scheduling, decode graphs for the generation beside
+    them): chunked embeddings equal sentence-transformers' on the same checkpoint."""
+    st = pytest.importorskip("sentence_transformers")
+    path = with_pooling(base_dir, str(tmp_path / "gpu"), pooling, True)
+    ref = st.SentenceTransformer(path, device="cpu").encode(TEXTS, convert_to_numpy=True)
+    llm = LLM(model=path, dtype="float32", device="cuda", block_size=16, num_kv_blocks=128,
+              max_num_batched_tokens=BUDGET, max_model_len=256)
+    assert llm.engine.async_scheduling
+    eng = llm.engine
+    eng.add_request("g", None, [5] * 8, SamplingParams(temperature=0, max_tokens=30,
+                                                       ignore_eos=True))
+    eng.step()
+    for i, text in enumerate(TEXTS):
+        eng.add_pooling_request(f"e{i}", text, None)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    got = np.array([done[f"e{i}"].outputs.embedding for i in range(len(TEXTS))])
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
+    assert len(done["g"].outputs[0].token_ids) == 30
