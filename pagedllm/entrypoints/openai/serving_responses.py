@@ -91,7 +91,8 @@ def input_messages(value: str | list[Any]) -> list[dict]:
                            400, "input")
         kind = item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = item.get("role")
+            role = ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise APIError(f"{where}.role must be one of user, assistant, system, "
                                "developer", 400, "input")
@@ -152,10 +153,21 @@ def chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, Any]:
     return tools, choice
 
 
+def text_format(req: ResponsesRequest) -> dict:
+    """`text.format`, checked to be an object with a type ({"type": "text"} if absent)."""
+    fmt = (req.text or {}).get("format")
+    if fmt is None:
+        return {"type": "text"}
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise APIError("text.format must be an object with a type (text, json_object or "
+                       "json_schema)", 400, "text")
+    return fmt
+
+
 def response_format(req: ResponsesRequest) -> dict | None:
     """`text.format` as the chat request's response_format."""
-    fmt = (req.text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+    fmt = text_format(req)
+    if fmt["type"] == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
@@ -254,7 +266,7 @@ class OpenAIServingResponses:
 
     def _object(self, req: ResponsesRequest, response_id: str, created: float, status: str,
                 output: list[dict], usage: dict | None) -> dict:
-        fmt = (req.text or {}).get("format") or {"type": "text"}
+        fmt = text_format(req)
         return {
             "id": response_id, "object": "response", "created_at": created, "status": status,
             "error": None, "incomplete_details": None, "instructions": req.instructions,
