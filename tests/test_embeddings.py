@@ -223,3 +223,37 @@ def test_gpu_matches_sentence_transformers(base_dir, tmp_path, pooling):
     got = np.array([done[f"e{i}"].outputs.embedding for i in range(len(TEXTS))])
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
     assert len(done["g"].outputs[0].token_ids) == 30
+
+
+def test_runner_pooling_serves_embeddings_only(tmp_path):
+    """`runner="pooling"` (vLLM's older `task="embed"`): embed works, generation is refused
+    offline and on the server's generation routes."""
+    import argparse
+
+    from fastapi.testclient import TestClient
+    from test_server import _RecordingEngine
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.entrypoints.openai.api_server import build_app
+    from pagedllm.entrypoints.openai.cli_args import engine_config, make_arg_parser, parse_args
+
+    assert EngineConfig.from_kwargs(task="embed").runner == "pooling"
+    with pytest.raises(ValueError, match="runner"):
+        EngineConfig(runner="embed")
+    parser = make_arg_parser(argparse.ArgumentParser())
+    assert engine_config(parse_args(parser, ["--task", "embed"])).runner == "pooling"
+    assert engine_config(parse_args(parser, ["--runner", "pooling"])).runner == "pooling"
+    path = str(tmp_path / "plain")
+    save_tiny_model(path, "qwen3", vocab_size=256)
+    llm = make_llm(path, skip_tokenizer_init=True, task="embed")
+    assert len(llm.embed({"prompt_token_ids": [1, 2, 3]})[0].outputs.embedding) == 64
+    with pytest.raises(ValueError, match="embeddings only"):
+        llm.generate({"prompt_token_ids": [1, 2, 3]})
+    app = build_app(_RecordingEngine(gguf_tokenizer(default_model_path())),
+                    EngineConfig(model=path, runner="pooling"))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for route, body in (("/v1/completions", {"prompt": "hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                            ("/v1/responses", {"input": "hi"})):
+            r = http.post(route, json=body)
+            assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"]
