@@ -16,7 +16,7 @@ from server_process import launch_server
 from pagedllm.entrypoints.openai.responses_store import ResponseStore
 
 STORE_MAX = 3
-GREEDY = dict(model="smol", temperature=0, max_output_tokens=24)
+GREEDY = dict(model="smol", temperature=0, max_output_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def client(url: str) -> openai.OpenAI:
 
 def chat_answer(client: openai.OpenAI, messages: list[dict], **kw):
     out = client.chat.completions.create(model="smol", messages=messages, temperature=0,
-                                         max_completion_tokens=24, **kw)
+                                         max_completion_tokens=12, **kw)
     return out.choices[0].message.content, out.usage.prompt_tokens
 
 
