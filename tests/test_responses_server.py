@@ -125,6 +125,14 @@ def test_function_tools(client: openai.OpenAI):
     calls = [o for o in resp.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and calls[0].call_id
     jsonschema.validate(json.loads(calls[0].arguments), params)
+    with client.responses.stream(model="smol", input="Weather in Paris?", tools=[tool],
+                                 tool_choice="required", max_output_tokens=48,
+                                 temperature=0) as stream:
+        kinds = [ev.type for ev in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    assert [(c.name, c.arguments) for c in streamed.output if c.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
     # The call's result goes back as a function_call_output item of the next turn.
     follow = client.responses.create(
         model="smol", previous_response_id=resp.id, max_output_tokens=8, temperature=0,
