@@ -316,8 +316,8 @@ async def _respond(request: Request, work: Awaitable[BaseModel | dict | AsyncIte
     result = task.result()
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump())
-    if isinstance(result, dict):
-        return JSONResponse(result)
+    if isinstance(result, dict):  # plain data (embeddings, responses): msgspec writes it
+        return Response(msgspec.json.encode(result), media_type="application/json")
     if deadline is not None:
         result = with_deadline(result, deadline, timeout)
     return StreamingResponse(result, media_type="text/event-stream",

@@ -526,21 +526,3 @@ class EmbeddingRequest(OpenAIRequest):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage

@@ -11,13 +11,7 @@ import base64
 
 import numpy as np
 
-from .protocol import (
-    MAX_EMBEDDING_INPUTS,
-    EmbeddingData,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    EmbeddingUsage,
-)
+from .protocol import MAX_EMBEDDING_INPUTS, EmbeddingRequest
 from .serving_engine import APIError, OpenAIServing, as_api_error, random_id
 
 # One input as the engine takes it: text, or token ids.
@@ -69,7 +63,9 @@ def encode_vector(vector: list[float], fmt: str) -> list[float] | str:
 class OpenAIServingEmbedding(OpenAIServing):
     endpoint = "/v1/embeddings"
 
-    async def create(self, req: EmbeddingRequest) -> EmbeddingResponse:
+    async def create(self, req: EmbeddingRequest) -> dict:
+        """OpenAI's embedding list, as plain data: the server writes it with msgspec (a
+        large batch of float vectors is most of the response's cost)."""
         self.check_request(req)
         inputs = split_inputs(req.input)
         self.admission.check(len(inputs), "input")
@@ -99,11 +95,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         finally:
             self.admission.leave(len(prompts))
         tokens = sum(len(o.prompt_token_ids) for o in outs)
-        data = [EmbeddingData(index=i, embedding=encode_vector(o.outputs.embedding,
-                                                                 req.encoding_format))
+        data = [{"object": "embedding", "index": i,
+                 "embedding": encode_vector(o.outputs.embedding, req.encoding_format)}
                 for i, o in enumerate(outs)]
-        return EmbeddingResponse(data=data, model=self.model_name,
-                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def _tokens(self, i: int, item: EmbeddingInput, truncate: int | None
                       ) -> tuple[str | None, list[int]]:
