@@ -79,11 +79,16 @@ class LLM:
         paged like generation. Instruction prefixes are the caller's to add."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        split = [self._split_prompt(p) for p in prompts]
+        texts = [i for i, (text, ids) in enumerate(split) if ids is None]
+        if len(texts) > 1:  # tokenized as one batch
+            encoded = self.engine.processor.encode_many([split[i][0] or "" for i in texts])
+            for i, ids in zip(texts, encoded, strict=True):
+                split[i] = (split[i][0], ids)
         ids = []
         try:
-            for prompt in prompts:
+            for text, token_ids in split:
                 rid = str(next(self._counter))
-                text, token_ids = self._split_prompt(prompt)
                 self.engine.add_pooling_request(rid, text, token_ids, pooling_params,
                                                 truncate_prompt_tokens)
                 ids.append(rid)

@@ -77,7 +77,15 @@ class OpenAIServingEmbedding(OpenAIServing):
         if truncate is not None and truncate != -1 and not 1 <= truncate <= self.max_model_len:
             raise APIError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}], "
                            f"got {truncate}", 400, "truncate_prompt_tokens")
-        prompts = [await self._tokens(i, item, truncate) for i, item in enumerate(inputs)]
+        texts = [item for item in inputs if isinstance(item, str)]
+        if truncate is None:
+            for text in texts:
+                self.check_text_size(len(text), "input")
+        if texts:  # one batch, off the event loop
+            self.require_tokenizer()
+            encoded = iter(await asyncio.to_thread(self.engine.processor.encode_many, texts))
+        prompts = [self._tokens(i, (item, next(encoded)) if isinstance(item, str) else (None, item),
+                                truncate) for i, item in enumerate(inputs)]
         request_id = random_id("embd")
         self.admission.enter(len(prompts))
         tasks = [asyncio.ensure_future(self.engine.encode(f"{request_id}-{i}", text, ids,
@@ -101,17 +109,11 @@ class OpenAIServingEmbedding(OpenAIServing):
         return {"object": "list", "data": data, "model": self.model_name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _tokens(self, i: int, item: EmbeddingInput, truncate: int | None
-                      ) -> tuple[str | None, list[int]]:
-        """(text, token ids) of one input; 400 for one longer than the context (unless
-        truncate_prompt_tokens cuts it)."""
-        if isinstance(item, str):
-            if truncate is None:
-                self.check_text_size(len(item), "input")
-            ids = await self.encode_off_loop(item)
-            text: str | None = item
-        else:
-            ids, text = item, None
+    def _tokens(self, i: int, prompt: tuple[str | None, list[int]], truncate: int | None
+                ) -> tuple[str | None, list[int]]:
+        """One input's (text, token ids), checked: 400 for an empty one, or one longer than
+        the context (unless truncate_prompt_tokens cuts it)."""
+        text, ids = prompt
         limit = self.max_model_len
         if not ids:
             raise APIError(f"input[{i}] is empty: it must contain at least one token", 400, "input")
