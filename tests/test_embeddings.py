@@ -257,3 +257,20 @@ def test_runner_pooling_serves_embeddings_only(tmp_path):
                             ("/v1/responses", {"input": "hi"})):
             r = http.post(route, json=body)
             assert r.status_code == 400 and "embeddings only" in r.json()["error"]["message"]
+
+
+def test_matryoshka_dimensions_follow_the_config():
+    from types import SimpleNamespace
+
+    declared = PoolerConfig.from_model("/nonexistent", SimpleNamespace(
+        hidden_size=64, matryoshka_dimensions=[16, 32, 64]))
+    assert declared.params(32) == PoolingParams("LAST", True, 32)
+    with pytest.raises(ValueError, match="one of"):
+        declared.params(20)
+    anysize = PoolerConfig.from_model("/nonexistent", SimpleNamespace(hidden_size=64,
+                                                                      is_matryoshka=True))
+    assert anysize.params(20).dimensions == 20
+    with pytest.raises(ValueError, match=r"\[1, 64\]"):
+        anysize.params(65)
+    with pytest.raises(ValueError, match="Matryoshka"):
+        PoolerConfig.from_model("/nonexistent", SimpleNamespace(hidden_size=64)).params(8)
