@@ -274,3 +274,21 @@ def test_matryoshka_dimensions_follow_the_config():
         anysize.params(65)
     with pytest.raises(ValueError, match="Matryoshka"):
         PoolerConfig.from_model("/nonexistent", SimpleNamespace(hidden_size=64)).params(8)
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(tmp_path):
+    """Two worker processes (gloo): the vector comes back from rank 0 through the
+    executor's reply and equals the single-process one."""
+    path = str(tmp_path / "plain")
+    save_tiny_model(path, "qwen3", vocab_size=256)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 255 + 1 for j in range(5 + 9 * i)]}
+               for i in range(4)]
+    kw = dict(skip_tokenizer_init=True, dtype="float32", num_kv_blocks=32, max_model_len=128,
+              max_num_batched_tokens=BUDGET)
+    want = [o.outputs.embedding for o in LLM(path, **kw).embed(prompts)]
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        got = [o.outputs.embedding for o in llm.embed(prompts)]
+    finally:
+        llm.engine.shutdown()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
