@@ -21,16 +21,20 @@ _EXPORTS: dict[str, str] = {
     "Logprob": "pagedllm.outputs",
     "LoRARequest": "pagedllm.lora_request",
     "RequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
     "SamplingParams": "pagedllm.sampling_params",
 }
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "Logprob",
     "LoRARequest",
     "ModelEngine",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "__version__",
@@ -40,7 +44,8 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.entrypoints.llm import LLM, ModelEngine
     from pagedllm.lora_request import LoRARequest
-    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 

@@ -18,6 +18,10 @@ ALIASES = {
     "max_tokens_per_batch": "max_num_batched_tokens",
 }
 
+# vLLM's older --task values -> the runner they select.
+TASKS = {"embed": "pooling", "generate": "generate"}
+RUNNERS = ("generate", "pooling")
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3  # CPU pool when the user sets nothing: 2 GiB
 # Tokens per step when the user sets no budget: a GPU step this size keeps the matmuls
@@ -260,6 +264,10 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    # "generate", or "pooling": the model serves embeddings only (the generation
+    # endpoints refuse, and no decode graphs are captured). vLLM's older spelling
+    # task="embed" (task="generate") is taken as an alias.
+    runner: str = "generate"
     # Set by resolve(): every default above has been filled in from the model and device.
     resolved: bool = False
 
@@ -269,6 +277,8 @@ class EngineConfig:
         resolved: dict = {}
         for key, value in kwargs.items():
             name = ALIASES.get(key, key)
+            if name == "task":
+                name, value = "runner", TASKS.get(value, value)
             if name == "kv_cache_memory":
                 name, value = "kv_cache_memory_bytes", parse_bytes(value)
             if name not in known:
@@ -312,6 +322,9 @@ class EngineConfig:
             if self.quantization not in ("gptq", "awq", "gguf", "fp8", "mxfp4"):
                 raise ValueError("quantization must be gptq|awq|gguf|fp8|mxfp4 or None (detect), "
                                  f"got {self.quantization!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be generate|pooling (task: generate|embed), got "
+                             f"{self.runner!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):

@@ -41,3 +41,21 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One pooling request's result (vLLM's shape): `outputs.embedding` is the vector."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None

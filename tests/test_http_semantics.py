@@ -133,7 +133,7 @@ def test_a_wrong_method_is_405_with_allow(app, method, path, allow):
     assert f"({method} {path})" in message and message.endswith(allow)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completion", "/v2/models", "/v1/embeddings",
+@pytest.mark.parametrize("path", ["/v1/chat/completion", "/v2/models", "/v1/audio/speech",
                                   "/nothing/here"])
 def test_an_unknown_path_is_404_in_openai_shape(app, path):
     http, _ = app

@@ -610,7 +610,8 @@ def test_schema_fuzzing_finds_no_server_error(engine):
                 # Valid but long requests (n=128 up to the context's end) only cost time:
                 # a few tokens each reach every code path a long answer does.
                 keys = {"/v1/completions": ("max_tokens",),
-                        "/v1/chat/completions": ("max_tokens", "max_completion_tokens")}
+                        "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+                        "/v1/responses": ("max_output_tokens",)}
                 for key in keys.get(op.path, ()):
                     v = case.body.get(key)
                     case.body[key] = 4 if v is None else min(v, 4)

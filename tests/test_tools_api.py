@@ -76,7 +76,7 @@ def tokenizer():
 def make_client(tokenizer, options: ChatOptions | None = None) -> tuple[TestClient, ScriptedEngine]:
     engine = ScriptedEngine(tokenizer)
     config = SimpleNamespace(served_model_name=["m"], model_name="m", model="m",
-                             generation_config="vllm", max_logprobs=20)
+                             generation_config="vllm", max_logprobs=20, runner="generate")
     app = build_app(engine, config, chat_template=TEMPLATE, options=options)
     return TestClient(app), engine
 

@@ -44,6 +44,9 @@ class Request:
     # its whole prompt instead of taking blocks from the prefix cache (its own full blocks
     # are still cached for the requests after it).
     skip_prefix_cache: bool = False
+    # A pooling request (an embedding): it reads its prompt, is pooled by the worker at the
+    # prompt's last chunk, and ends there (max_tokens 0); it may fill the whole context.
+    pooling: bool = False
     # Opaque to the core: the worker reads sampling settings from here.
     sampling_params: Any = None
     # Multi-LoRA: the adapter (opaque, a LoRARequest for the worker) and its id, 0 for the

@@ -141,7 +141,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if req.num_prompt_tokens == 0:
             raise ValueError("the prompt must contain at least one token")
-        if req.num_prompt_tokens >= self.max_model_len:
+        if req.num_prompt_tokens > self.max_model_len - (0 if req.pooling else 1):
             raise ValueError(
                 f"the prompt has {req.num_prompt_tokens} tokens; this model's maximum context "
                 f"length is {self.max_model_len} including at least one generated token"
@@ -333,7 +333,8 @@ class Scheduler:
         With async scheduling a later step may already be scheduled (or running) when this
         is called: a request that stops here computed one token too many there, which is
         simply never read. A request preempted after this step was scheduled keeps its
-        token (it was computed from a valid context)."""
+        token (it was computed from a valid context). A pooling request's last chunk
+        samples nothing: the engine core ends it once its vector is read."""
         results: list[tuple[Request, int | None]] = []
         for chunk in out.chunks:
             req = self.requests.get(chunk.request_id)

@@ -34,7 +34,8 @@ from pagedllm.engine.messages import AbortRequests, AddRequest, EngineCoreOutput
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,23 +123,52 @@ class AsyncLLM:
         """Stream cumulative outputs of one request until it finishes (a consumer slower
         than the engine gets the latest, skipping those in between). Cancelling the
         consumer (e.g. a client disconnect) aborts the request and frees its blocks."""
-        if self._dead is None and not self.client.alive():
-            # Gone before its watcher said so: the same death, with the same reason.
-            self._on_core_death(self.client.exit_reason())
-        if self._dead is not None:
-            raise self._dead
+        self._check_alive()
         if params.structured_outputs is None:
             ids, seq_params, requests = self.processor.process(request_id, prompt,
                                                                prompt_token_ids, params, lora_request)
         else:  # checking the constraint compiles it: seconds, maybe, and not on the loop
             ids, seq_params, requests = await asyncio.to_thread(
                 self.processor.process, request_id, prompt, prompt_token_ids, params, lora_request)
+        run = self._run(request_id, requests, lambda: self.output_processor.add(
+            request_id, prompt, ids, seq_params, requests[0].arrival_time))
+        async with contextlib.aclosing(run):  # closing this stream aborts the request now
+            async for out in run:
+                yield out
+
+    async def encode(self, request_id: str, prompt: str | None,
+                     prompt_token_ids: list[int] | None, params: PoolingParams | None = None,
+                     truncate_prompt_tokens: int | None = None) -> EmbeddingRequestOutput:
+        """One embedding: a pooling request, batched in the core's steps with everyone
+        else's. ValueError (before anything is queued) for an input the model cannot take."""
+        self._check_alive()
+        ids, request = self.processor.process_pooling(request_id, prompt, prompt_token_ids,
+                                                      params, truncate_prompt_tokens)
+        final = None
+        run = self._run(request_id, [request], lambda: self.output_processor.add_pooling(
+            request_id, prompt, ids, request.pooling_params, request.arrival_time))
+        async with contextlib.aclosing(run):
+            async for out in run:
+                final = out
+        return final
+
+    def _check_alive(self) -> None:
+        if self._dead is None and not self.client.alive():
+            # Gone before its watcher said so: the same death, with the same reason.
+            self._on_core_death(self.client.exit_reason())
+        if self._dead is not None:
+            raise self._dead
+
+    async def _run(self, request_id: str, requests: list, register: Callable[[], None]
+                   ) -> AsyncIterator:
+        """Send a request's core requests and stream its outputs (`register` adds it to the
+        output processor, under the lock)."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams or request_id in self.output_processor:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self.output_processor.add(request_id, prompt, ids, seq_params, requests[0].arrival_time)
+            register()
         try:
             for req in requests:
                 self.client.send(AddRequest(req))

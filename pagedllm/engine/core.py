@@ -67,7 +67,8 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks(config.max_num_batched_tokens,
                                                             config.max_num_seqs)
             self.executor.allocate_kv_cache(num_blocks)
-            self.executor.capture_graphs(config.max_num_seqs)
+            if config.runner != "pooling":  # embeddings never decode
+                self.executor.capture_graphs(config.max_num_seqs)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -196,6 +197,9 @@ class EngineCore:
         rid = request.request_id
         if rid in self._inflight_ids() or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
+        if request.pooling_params is not None:
+            self._queue_pooling(request)
+            return
         compiled = None
         if p.structured_outputs is not None:
             grammars = self._sequence_grammars()
@@ -231,6 +235,16 @@ class EngineCore:
         if compiled is not None:
             self._grammars.add(request.request_id,
                                self._grammars.new_matcher(compiled, request.eos_token_ids))
+
+    def _queue_pooling(self, request: EngineCoreRequest) -> None:
+        """A pooling request: its prompt is read in chunks like any other, and its last
+        chunk is pooled instead of sampled. Mean and CLS pooling need every position's
+        hidden state, so those read the whole prompt rather than take cached blocks."""
+        pp = request.pooling_params
+        self.scheduler.add_request(Request(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            max_tokens=0, skip_prefix_cache=pp.needs_every_position, pooling=True,
+            sampling_params=pp, arrival_time=request.arrival_time, allow_spec=False))
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Queue the waiting sequences whose grammar has compiled; fail those whose compile
@@ -374,6 +388,15 @@ class EngineCore:
         for sid, why in out.failed.items():  # e.g. NaN logits: that sequence alone ends
             self.abort_requests([sid])
             outs[sid] = EngineCoreOutput(sid, finish_reason="error", error=why)
+        for sid, vector in out.pooled.items():
+            req = self.scheduler.requests.get(sid)
+            if req is None or req.is_finished or sid in outs:
+                continue  # aborted while its last chunk ran
+            self.scheduler.finish(sid, RequestStatus.FINISHED_STOPPED)  # its blocks go back now
+            self.scheduler.release(sid)
+            outs[sid] = EngineCoreOutput(sid, finish_reason="stop", pooled=vector,
+                                         num_cached_tokens=req.num_cached_tokens,
+                                         scheduled_time=req.first_scheduled_time)
         for sid, entries in out.prompt_logprobs.items():
             if sid not in outs:
                 outs[sid] = EngineCoreOutput(sid, new_prompt_logprobs=entries)

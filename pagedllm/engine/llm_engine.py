@@ -16,7 +16,8 @@ from pagedllm.engine.processor import Processor, eos_token_ids
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizers import load_tokenizer
 
@@ -29,7 +30,7 @@ def load_frontend(config: EngineConfig, core_info, hf_config) -> tuple:
                             config.download_dir)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(source, config.tokenizer)
     processor = Processor(tokenizer, core_info, eos_token_ids(hf_config, tokenizer, source.path),
-                          config.max_logprobs)
+                          config.max_logprobs, PoolerConfig.from_model(source.path, hf_config))
     return tokenizer, processor
 
 
@@ -115,6 +116,19 @@ class LLMEngine:
             raise
         self.output_processor.add(request_id, prompt, ids, seq_params, requests[0].arrival_time)
 
+    def add_pooling_request(self, request_id: str, prompt: str | None,
+                            prompt_token_ids: list[int] | None,
+                            params: PoolingParams | None = None,
+                            truncate_prompt_tokens: int | None = None) -> None:
+        """Queue one embedding (its output is an EmbeddingRequestOutput)."""
+        if request_id in self.output_processor:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids, request = self.processor.process_pooling(request_id, prompt, prompt_token_ids,
+                                                      params, truncate_prompt_tokens)
+        self.core.add_request(request)
+        self.output_processor.add_pooling(request_id, prompt, ids, request.pooling_params,
+                                          request.arrival_time)
+
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """End a request now and free its blocks; `reason` is its finish reason ("abort",
         or "error" when the engine failed it)."""
@@ -132,7 +146,7 @@ class LLMEngine:
         return self.core.reset_prefix_cache()
 
     # ------------------------------------------------------------------ the loop
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One engine iteration: the core's step, then its deltas turned into outputs.
         A step that raises raises StepError naming the user requests it held."""
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedllm.lora_request import LoRARequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 # (token ids, logprobs, ranks) of one position: the chosen token first, then the top ones.
@@ -19,14 +20,18 @@ PositionEntry = tuple[list[int], list[float], list[int]]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One sequence to generate. A user request with n > 1 arrives as n of these."""
+    """One sequence to generate. A user request with n > 1 arrives as n of these.
+
+    A pooling request (an embedding) has `pooling_params` and no sampling settings: it
+    reads its prompt and ends with one vector (`EngineCoreOutput.pooled`)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams  # max_tokens already resolved (never None)
+    sampling_params: SamplingParams | None  # max_tokens already resolved (never None)
     eos_token_ids: list[int]
     arrival_time: float
     lora_request: LoRARequest | None = None  # None: the base model
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -41,6 +46,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = -1  # set with the first token: prompt tokens found in the cache
     scheduled_time: float | None = None  # set with the first token: first scheduling
     error: str | None = None  # why the core failed this sequence (finish_reason "error")
+    pooled: bytes | None = None  # a pooling request's vector: little-endian float32
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

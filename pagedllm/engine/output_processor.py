@@ -13,10 +13,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedllm.engine.messages import EngineCoreOutput, PositionEntry, SchedulerStats
 from pagedllm.engine.processor import child_id
 from pagedllm.metrics import EngineMetrics
-from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizers import IncrementalDetokenizer
 
@@ -50,6 +60,7 @@ class _Parent:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     error: str | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, once it came
 
 
 class OutputProcessor:
@@ -78,6 +89,16 @@ class OutputProcessor:
         if params[0].prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+
+    def add_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: PoolingParams, arrival: float | None = None) -> None:
+        """An embedding: one sequence that ends with a vector instead of tokens."""
+        seq = _Seq(0, params, None)  # type: ignore[arg-type]  (never detokenized)
+        self.seq_owner[request_id] = (request_id, 0)
+        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, [seq],
+                                           time.monotonic() if arrival is None else arrival)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt_token_ids))
 
@@ -115,6 +136,11 @@ class OutputProcessor:
                     if s.finish_reason is None:
                         s.finish_reason = "error"
                 aborts.extend(sid for sid in self.seq_ids(pid) if sid != o.request_id)
+                continue
+            if o.pooled is not None:
+                parent.embedding = np.frombuffer(o.pooled, dtype="<f4").tolist()
+                parent.num_cached_tokens = max(o.num_cached_tokens, 0)
+                seq.finish_reason = o.finish_reason or "stop"
                 continue
             if o.new_prompt_logprobs and parent.prompt_logprobs is not None:
                 parent.prompt_logprobs.extend(self._position(e) for e in o.new_prompt_logprobs)
@@ -218,9 +244,12 @@ class OutputProcessor:
     def is_finished(self, request_id: str) -> bool:
         return all(s.finish_reason is not None for s in self.parents[request_id].seqs)
 
-    def output(self, request_id: str, now: float | None = None) -> RequestOutput:
+    def output(self, request_id: str, now: float | None = None
+               ) -> RequestOutput | EmbeddingRequestOutput:
         """The request's cumulative output; a finished request is forgotten here."""
         parent = self.parents[request_id]
+        if isinstance(parent.seqs[0].params, PoolingParams):
+            return self._embedding(parent, now)
         outs = []
         for seq in parent.seqs:
             text = seq.text
@@ -253,3 +282,20 @@ class OutputProcessor:
             prompt_logprobs=parent.prompt_logprobs, num_cached_tokens=parent.num_cached_tokens,
             metrics=metrics, error=parent.error,
         )
+
+    def _embedding(self, parent: _Parent, now: float | None) -> EmbeddingRequestOutput:
+        """A pooling request's output: only ever asked for once it has finished."""
+        now = time.monotonic() if now is None else now
+        self.seq_owner.pop(parent.request_id, None)
+        self.parents.pop(parent.request_id)
+        reason = "error" if parent.error is not None else parent.seqs[0].finish_reason or "stop"
+        if self.metrics is not None:
+            self.metrics.request_finished(reason)
+            if reason not in ("abort", "error"):
+                self.metrics.e2e_request_latency.observe(now - parent.arrival)
+        return EmbeddingRequestOutput(
+            request_id=parent.request_id, prompt_token_ids=parent.prompt_token_ids,
+            outputs=EmbeddingOutput(parent.embedding or []), finished=True,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics={"arrival_time": parent.arrival, "finished_time": now},
+            error=parent.error)

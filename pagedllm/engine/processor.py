@@ -14,6 +14,7 @@ import time
 from pagedllm.engine.messages import CoreInfo, EngineCoreRequest
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_executor.lora.peft import inspect_adapter
+from pagedllm.pooling_params import PoolerConfig, PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import validate_structured_outputs
 
@@ -45,10 +46,11 @@ def eos_token_ids(hf_config, tokenizer, model_path: str) -> list[int]:
 
 class Processor:
     def __init__(self, tokenizer, info: CoreInfo, eos_ids: list[int],
-                 max_logprobs: int = MAX_LOGPROBS):
+                 max_logprobs: int = MAX_LOGPROBS, pooler_config: PoolerConfig | None = None):
         self.tokenizer = tokenizer
         self.info = info
         self.eos_ids = eos_ids
+        self.pooler_config = pooler_config or PoolerConfig()
         # -1: as many as the vocabulary has (every alternative of every token).
         self.max_logprobs = info.vocab_size if max_logprobs == -1 else max_logprobs
         self._adapters_seen: dict[int, str] = {}  # adapter id -> the path checked for it
@@ -78,6 +80,15 @@ class Processor:
         if self.tokenizer is None:
             raise ValueError("a text prompt needs the tokenizer (skip_tokenizer_init=False)")
         return self.tokenizer.encode(prompt)
+
+    def encode_many(self, prompts: list[str]) -> list[list[int]]:
+        """Several texts at once: a transformers tokenizer encodes a batch in parallel (in
+        its Rust core), far faster than one call per text; the ids are the same."""
+        from transformers import PreTrainedTokenizerBase
+
+        if self.tokenizer is None or not isinstance(self.tokenizer, PreTrainedTokenizerBase):
+            return [self.encode(p) for p in prompts]
+        return [list(ids) for ids in self.tokenizer(prompts)["input_ids"]]
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """ValueError for what the model cannot take; returns the resolved max_tokens."""
@@ -131,3 +142,31 @@ class Processor:
             requests.append(EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids,
                                               p, self.eos_ids, now, lora_request))
         return prompt_token_ids, seq_params, requests
+
+    def process_pooling(self, request_id: str, prompt: str | None,
+                        prompt_token_ids: list[int] | None, params: PoolingParams | None = None,
+                        truncate_prompt_tokens: int | None = None
+                        ) -> tuple[list[int], EngineCoreRequest]:
+        """(prompt token ids, the core request) of one embedding. `truncate_prompt_tokens`
+        keeps the prompt's last k tokens (-1: as many as the context holds); without it a
+        prompt longer than the context is refused."""
+        if prompt_token_ids is None:
+            prompt_token_ids = self.encode(prompt or "")
+        ids = list(prompt_token_ids)
+        vocab, limit = self.info.vocab_size, self.info.max_model_len
+        if truncate_prompt_tokens is not None:
+            k = limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if not 1 <= k <= limit:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {limit}], got "
+                                 f"{truncate_prompt_tokens}")
+            ids = ids[-k:]
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the input must contain at least one token")
+        if len(ids) > min(limit, self.info.pool_tokens):
+            raise ValueError(f"the input has {len(ids)} tokens; this model's maximum context "
+                             f"length is {min(limit, self.info.pool_tokens)}")
+        if params is None:
+            params = self.pooler_config.params()
+        return ids, EngineCoreRequest(request_id, ids, None, [], time.monotonic(), params)

@@ -9,7 +9,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.generation_config import default_sampling_overrides
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -51,6 +52,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or a list (one per prompt, None
         for the base model); adapters need enable_lora=True."""
+        if self.config.runner == "pooling":
+            raise ValueError("this model runs for embeddings only (runner='pooling'): use embed()")
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
@@ -73,6 +76,41 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (`out.outputs.embedding`), pooled as the checkpoint says
+        (sentence-transformers' files) unless `pooling_params` says otherwise; batched and
+        paged like generation. Instruction prefixes are the caller's to add."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        split = [self._split_prompt(p) for p in prompts]
+        texts = [i for i, (text, ids) in enumerate(split) if ids is None]
+        if len(texts) > 1:  # tokenized as one batch
+            encoded = self.engine.processor.encode_many([split[i][0] or "" for i in texts])
+            for i, ids in zip(texts, encoded, strict=True):
+                split[i] = (split[i][0], ids)
+        ids = []
+        try:
+            for text, token_ids in split:
+                rid = str(next(self._counter))
+                self.engine.add_pooling_request(rid, text, token_ids, pooling_params,
+                                                truncate_prompt_tokens)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        outs = self._run(ids)
+        for out in outs:
+            if out.error is not None:
+                raise RuntimeError(f"embedding failed: {out.error}")
+        return outs
 
     def chat(
         self,
@@ -117,8 +155,8 @@ class LLM:
             return prompt.get("prompt"), prompt.get("prompt_token_ids")
         raise ValueError("a prompt is a string or a dict with 'prompt' or 'prompt_token_ids'")
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str]) -> list:
+        final: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         pending = set(ids)
         while pending and self.engine.has_unfinished_requests():
             for out in self.engine.step(final_only=True):

@@ -26,6 +26,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks
+from pagedllm.model_executor.layers import pooler
 from pagedllm.model_executor.layers.sampler import (
     SampledTensors,
     Sampler,
@@ -33,6 +34,7 @@ from pagedllm.model_executor.layers.sampler import (
     prompt_logprobs,
 )
 from pagedllm.model_executor.loader import ModelSource, load_model
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.lora_manager import LoRAManager
@@ -70,12 +72,18 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
 class _ReqState:
     token_ids: list[int]
     num_prompt: int
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     generator: torch.Generator | None
     lora: object = None  # its LoRARequest; None: the base model
     prompt_lp_next: int = 1  # next prompt position whose logprob is still owed
     num_pending: int = 0  # sampled by launched steps whose results are not read yet
     draft_computed: int = 0  # positions the draft model has KV for (draft_model speculation)
+    # A pooling request: its vector so far (the chunks read before this step), on device.
+    pool_partial: torch.Tensor | None = None
+
+    @property
+    def pooling(self) -> bool:
+        return isinstance(self.params, PoolingParams)
 
 
 @dataclass
@@ -86,6 +94,7 @@ class RunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], list[int]] | list] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], list[int]]]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on
+    pooled: dict[str, bytes] = field(default_factory=dict)  # finished vectors, float32 '<f4'
 
 
 def _replay_draws(gen: torch.Generator, state: torch.Tensor, n: int) -> None:
@@ -116,6 +125,31 @@ class LaunchedStep:
         self.event = None
         if sampled is not None:
             self._copy_out()
+        # Pooling requests finished by this step: (ids, vector sizes, all vectors in one
+        # float32 tensor on the host, copied behind `pooled_event` on CUDA).
+        self.pooled: tuple[list[str], list[int], torch.Tensor] | None = None
+        self.pooled_event = None
+
+    def set_pooled(self, ids: list[str], vectors: list[torch.Tensor]) -> None:
+        flat = torch.cat(vectors)
+        if self.runner.device.type == "cuda":  # into pinned memory, as the tokens are
+            flat = flat.to("cpu", non_blocking=True)
+            self.pooled_event = torch.cuda.Event()
+            self.pooled_event.record()
+        self.pooled = (ids, [len(v) for v in vectors], flat)
+
+    def _read_pooled(self) -> None:
+        if self.pooled is None:
+            return
+        if self.pooled_event is not None:
+            self.pooled_event.synchronize()
+        ids, sizes, flat = self.pooled
+        self.pooled = None
+        data = flat.numpy().astype("<f4", copy=False)
+        start = 0
+        for rid, n in zip(ids, sizes, strict=True):
+            self.out.pooled[rid] = data[start : start + n].tobytes()
+            start += n
 
     def _copy_out(self) -> None:
         if self.runner.device.type == "cuda":
@@ -139,6 +173,7 @@ class LaunchedStep:
         out, runner = self.out, self.runner
         if self.pending is not None:
             raise RuntimeError("a deferred step was read before it was sampled")
+        self._read_pooled()
         if self.sampled is None:
             return out
         if self.event is not None:
@@ -329,9 +364,9 @@ class ModelRunner:
             self.states.pop(rid, None)
             self._bad_lora.pop(rid, None)
         for new in so.new_requests:
-            p: SamplingParams = new.sampling_params
+            p: SamplingParams | PoolingParams = new.sampling_params
             gen = None
-            if p.seed is not None and not p.greedy:
+            if isinstance(p, SamplingParams) and p.seed is not None and not p.greedy:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(p.seed)
             self.states[new.request_id] = _ReqState(
@@ -465,7 +500,15 @@ class ModelRunner:
         sample_ids: list[str] = []
         plp_rows: dict[str, tuple[list[int], list[int]]] = {}
         drafts: list[int] = []  # per sampled row: the token proposed after it, -1 for none
+        plan = pooler.PoolingPlan()
+        pool_ids: list[str] = []
         for c, start, end in zip(chunks, arrays["q_start"].tolist(), row_ends.tolist(), strict=True):
+            st = self.states[c.request_id]
+            if st.pooling:  # pooled, never sampled
+                plan.chunks.append(pooler.PoolingChunk(st.params, start, c.start, c.num_tokens,
+                                                       st.num_prompt, c.sample))
+                pool_ids.append(c.request_id)
+                continue
             self._owe_prompt_logprobs(c, start, plp_rows)
             if c.sample:  # a chunk short of the end of the prompt samples nothing
                 d = len(c.draft_token_ids)  # speculative: the logits of every draft position
@@ -478,10 +521,11 @@ class ModelRunner:
             arrays["lora_slots"] = np.repeat(np.asarray(slots, dtype=np.int32), lens)
         spec_counts = None
         if len(sample_rows) > len(sample_ids):
-            spec_counts = [len(c.draft_token_ids) + 1 for c in chunks if c.sample]
+            spec_counts = [len(c.draft_token_ids) + 1 for c in chunks
+                           if c.sample and not self.states[c.request_id].pooling]
 
         graph_logits = None
-        if self.graphs is not None and num_decode == len(chunks) and not plp_rows:
+        if self.graphs is not None and num_decode == len(chunks) and not plp_rows and not pool_ids:
             graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
         if graph_logits is None:
             if self.lora is not None:
@@ -494,9 +538,10 @@ class ModelRunner:
             k = self.states[rid].params.prompt_logprobs
             logits = self.model.compute_logits(hidden[rows_])
             out.prompt_logprobs[rid] = prompt_logprobs(logits, torch.tensor(targets, device=self.device), k)
+        pooled = self._pool(hidden, plan, pool_ids) if pool_ids else None
         if not sample_rows:
             self._prev_tokens, self._prev_rows = None, {}
-            return LaunchedStep(self, out, [], None, None)
+            return self._with_pooled(LaunchedStep(self, out, [], None, None), pooled)
         (rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
         if graph_logits is not None:
             logits = graph_logits.index_select(0, rows)
@@ -507,13 +552,43 @@ class ModelRunner:
         valid = torch.isfinite(logits.amax(-1))
         states = [self.states[r] for r in sample_ids]
         if spec_counts is not None:
-            return self._verify(out, logits, valid, states, sample_ids, spec_counts, drafts,
-                                so.grammar_bitmask)
+            return self._with_pooled(self._verify(out, logits, valid, states, sample_ids,
+                                                  spec_counts, drafts, so.grammar_bitmask), pooled)
         batch = self._sampling_batch(states, logits.shape[-1])
         if defer_sampling:
-            return LaunchedStep(self, out, sample_ids, None, valid, (logits, batch, states))
+            step = LaunchedStep(self, out, sample_ids, None, valid, (logits, batch, states))
+            return self._with_pooled(step, pooled)
         sampled = self.sample_rows(logits, batch, valid, states, sample_ids, so.grammar_bitmask)
-        return LaunchedStep(self, out, sample_ids, sampled, valid)
+        return self._with_pooled(LaunchedStep(self, out, sample_ids, sampled, valid), pooled)
+
+    @staticmethod
+    def _with_pooled(step: LaunchedStep, pooled: tuple | None) -> LaunchedStep:
+        if pooled is not None and pooled[0]:
+            step.set_pooled(*pooled)
+        return step
+
+    def _pool(self, hidden: torch.Tensor, plan: pooler.PoolingPlan, ids: list[str]
+              ) -> tuple[list[str], list[torch.Tensor]]:
+        """Reduce this step's pooling chunks; keep the partial vectors of unfinished
+        prompts, and return the finished vectors (on the device). A chunk starting at
+        position 0 begins afresh: a preempted request reads its prompt again."""
+        rows, segs = plan.rows()
+        rows_t, segs_t = self._to_device(rows, segs)
+        parts = pooler.partial_sums(hidden, rows_t, segs_t, len(plan.chunks))
+        done_idx: list[int] = []
+        for i, (rid, c) in enumerate(zip(ids, plan.chunks, strict=True)):
+            st = self.states[rid]
+            if c.start > 0 and st.pool_partial is not None:
+                parts[i] += st.pool_partial
+            st.pool_partial = None if c.last else parts[i].clone()
+            if c.last:
+                done_idx.append(i)
+        if not done_idx:
+            return [], []
+        done = [plan.chunks[i] for i in done_idx]
+        vectors = parts if len(done_idx) == len(ids) else parts[done_idx]
+        divisors = [c.num_prompt if c.params.pooling_type == "MEAN" else 1 for c in done]
+        return [ids[i] for i in done_idx], pooler.finish(vectors, [c.params for c in done], divisors)
 
     @torch.inference_mode()
     def sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, valid: torch.Tensor,

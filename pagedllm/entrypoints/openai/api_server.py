@@ -74,6 +74,7 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
@@ -81,10 +82,13 @@ from .protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from .responses_store import ResponseStore
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
+from .serving_embedding import OpenAIServingEmbedding
 from .serving_engine import Admission, APIError, OpenAIServing, model_root
 from .serving_models import ServedAdapters
+from .serving_responses import OpenAIServingResponses, ResponsesRequest
 from .shutdown import Drain, DrainingServer, DrainMiddleware, route_path
 
 logger = logging.getLogger("pagedllm.server")
@@ -289,7 +293,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[str]],
+async def _respond(request: Request, work: Awaitable[BaseModel | dict | AsyncIterator[str]],
                    timeout: float | None = None) -> Response:
     """Run `work` until it answers, the client goes away or `timeout` seconds pass. A
     request that is not streamed is cancelled (and so aborted in the engine) when its client
@@ -316,6 +320,8 @@ async def _respond(request: Request, work: Awaitable[BaseModel | AsyncIterator[s
     result = task.result()
     if isinstance(result, BaseModel):
         return JSONResponse(result.model_dump())
+    if isinstance(result, dict):  # plain data (embeddings, responses): msgspec writes it
+        return Response(msgspec.json.encode(result), media_type="application/json")
     if deadline is not None:
         result = with_deadline(result, deadline, timeout)
     return StreamingResponse(result, media_type="text/event-stream",
@@ -330,11 +336,13 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
               monitoring: MonitoringOptions | None = None,
               sampling_defaults: dict | None = None,
               lora_modules: list[tuple[str, str]] | None = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False,
+              responses_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app over a running engine. `chat_template` is the template text;
     `options` the tool and reasoning parsers of chat answers; `monitoring` the stats line,
     request logging and vLLM metric names; `sampling_defaults` the default sampling
-    settings (None: read as config.generation_config says). While the app runs, a
+    settings (None: read as config.generation_config says); `responses_store` keeps the
+    Responses API's stored responses (None: one of the default bounds). While the app runs, a
     background task samples the engine once a second for /dashboard, and another writes
     the stats line. `lora_modules`: (name, path) of the LoRA adapters served from the start
     (ValueError for one the engine cannot run); `allow_runtime_lora_updating` adds the
@@ -360,6 +368,16 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
                              adapters=adapters)
     for serving in (completions, chat):
         serving.log_requests = monitoring.log_requests
+    embeddings = OpenAIServingEmbedding(engine, config, admission=admission)
+    responses = OpenAIServingResponses(
+        chat, ResponseStore() if responses_store is None else responses_store)
+    app.state.responses_store = responses.store
+    pooling_only = config.runner == "pooling"
+
+    def generation_route() -> None:
+        if pooling_only:
+            raise APIError("this server runs its model for embeddings only (--runner "
+                           "pooling): use /v1/embeddings", 400, code="model_not_supported")
     app.state.admission = admission
     app.state.drain = drain = Drain(limits.shutdown_timeout)
     # Added innermost first: CORS (answering preflights, which carry no key) runs first,
@@ -465,11 +483,30 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        generation_route()
         return await _respond(request, completions.create(body), limits.request_timeout)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        generation_route()
         return await _respond(request, chat.create(body), limits.request_timeout)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        generation_route()
+        return await _respond(request, responses.create(body), limits.request_timeout)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, embeddings.create(body), limits.request_timeout)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -586,7 +623,8 @@ def run_server(args: argparse.Namespace) -> None:
                             allowed_origins=args.allowed_origins, options=options,
                             monitoring=monitoring, sampling_defaults=sampling_defaults,
                             lora_modules=loras,
-                            allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                            responses_store=ResponseStore(args.responses_store_max))
         except ValueError as e:  # a --lora-modules adapter the engine cannot run
             raise SystemExit(f"pagedllm: cannot start: {e}") from None
         names = OpenAIServing(engine, config).served_names

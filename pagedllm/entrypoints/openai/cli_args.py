@@ -13,10 +13,11 @@ import difflib
 import os
 from dataclasses import dataclass, fields
 
-from pagedllm.config import EngineConfig, parse_bytes
+from pagedllm.config import TASKS, EngineConfig, parse_bytes
 
 from .monitoring import DEFAULT_STATS_INTERVAL, MonitoringOptions
 from .reasoning_parsers import REASONING_PARSERS
+from .responses_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_RESPONSES
 from .tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -167,7 +168,16 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    help=_default("load_format"))
     m.add_argument("--chat-template", help="chat template: a file path or a literal Jinja template "
                    "(default: the tokenizer's)")
+    m.add_argument("--runner", choices=["generate", "pooling"],
+                   help="pooling: serve the model for embeddings only (/v1/embeddings; the "
+                   "generation endpoints refuse) " + _default("runner"))
+    m.add_argument("--task", choices=["generate", "embed"],
+                   help="vLLM's older spelling of --runner: embed = --runner pooling")
     m.add_argument("--seed", type=int, help=_default("seed"))
+    m.add_argument("--responses-store-max", type=int, metavar="N", default=DEFAULT_MAX_RESPONSES,
+                   help="the most responses the Responses API keeps in memory (store=true), "
+                   "least recently used evicted first; also bounded to "
+                   f"{DEFAULT_MAX_BYTES // 2**20} MiB (default: {DEFAULT_MAX_RESPONSES})")
     m.add_argument("--generation-config", metavar="{auto,vllm,PATH}",
                    help="default sampling settings for requests that do not set them: auto "
                    "takes temperature, top_p, top_k, min_p, repetition_penalty and "
@@ -356,8 +366,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",
              "generation_config", "speculative_config", "enable_lora", "max_loras",
-             "max_lora_rank", "max_cpu_loras"]
+             "max_lora_rank", "max_cpu_loras", "runner"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.task is not None:
+        runner = TASKS[args.task]
+        if given.setdefault("runner", runner) != runner:
+            raise ValueError(f"--task {args.task} and --runner {given['runner']} disagree")
     return EngineConfig(model=model_from_args(args), **given)
 
 

@@ -521,3 +521,18 @@ class DetokenizeRequest(OpenAIRequest):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# OpenAI's cap on the inputs of one embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(OpenAIRequest):
+    """POST /v1/embeddings. `input` is checked by the server (serving_embedding.py), which
+    names the bad item; vLLM's `truncate_prompt_tokens` keeps each input's last k tokens."""
+
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
@@ -44,6 +45,17 @@ from .serving_engine import (
 from .tools import plan_tools
 
 
+@dataclass
+class ChatRun:
+    """A submitted chat request: its id, prompt length, the engine's (choice, cumulative
+    output) stream, and the parser of its answer (None: the text is the content)."""
+
+    request_id: str
+    prompt_tokens: int
+    outputs: AsyncIterator
+    parser: OutputParser | None
+
+
 class OpenAIServingChat(OpenAIServing):
     endpoint = "/v1/chat/completions"
 
@@ -54,6 +66,15 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest
                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or for stream=true the server-sent events of one."""
+        run = await self.start(req)
+        if req.stream:
+            return self._stream(req, run.request_id, run.prompt_tokens, run.outputs, run.parser)
+        return await self._collect(req, run.request_id, run.outputs, run.parser)
+
+    async def start(self, req: ChatCompletionRequest) -> ChatRun:
+        """Check, render and submit a chat request (400s are raised here, before any answer
+        has begun); the engine's outputs and the parser of the answer come back. The
+        Responses API runs its conversations through this too."""
         self.check_request(req)
         self._check_unsupported(req)
         self.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -90,9 +111,7 @@ class OpenAIServingChat(OpenAIServing):
                   if reasoning is not None or plan.parser is not None else None)
         request_id = random_id("chatcmpl")
         outputs = await self.submit(request_id, [(text, ids)], params, req)
-        if req.stream:
-            return self._stream(req, request_id, len(ids), outputs, parser)
-        return await self._collect(req, request_id, outputs, parser)
+        return ChatRun(request_id, len(ids), outputs, parser)
 
     @staticmethod
     def _check_unsupported(req: ChatCompletionRequest) -> None:

@@ -14,6 +14,11 @@ MODEL_REGISTRY: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Base models without a head, as embedding checkpoints name themselves
+    # (sentence-transformers saves Qwen3-Embedding-style models so): the same decoder.
+    "LlamaModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": GlmForCausalLM,
     "Gemma2ForCausalLM": LlamaForCausalLM,

@@ -291,6 +291,10 @@ class DecoderModel(nn.Module):
         return x
 
 
+# The first name part of a base model's tensors (saved without the `model.` prefix).
+_BASE_MODEL_PARTS = frozenset({"embed_tokens", "layers", "norm"})
+
+
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2/Gemma3 and
     Phi3ForCausalLM."""
@@ -350,15 +354,28 @@ class LlamaForCausalLM(nn.Module):
         modules (every linear layer, the embedding and the head) take their tensors whole
         and keep their rank's block, through their weight method for the linear layers; a
         tensor may be a lazy safetensors slice, of which only that block is read. The
-        remaining parameters (norms) are replicated and copied whole."""
+        remaining parameters (norms) are replicated and copied whole.
+
+        Embedding checkpoints saved as a base model (names without `model.`, no
+        `lm_head`) load too: a missing head is the embedding's copy, so the model still
+        runs its logits (such a checkpoint serves embeddings; its text means nothing)."""
         modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        head = None if self.shape.tie_embeddings else modules.get("lm_head")
+        head_loaded = False
         for name, tensor in self._checkpoint_names(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.shape.tie_embeddings:
                 continue
+            if name.split(".", 1)[0] in _BASE_MODEL_PARTS:
+                name = f"model.{name}"
+            if name.startswith("lm_head."):
+                head_loaded = True
+            elif (name == "model.embed_tokens.weight" and not head_loaded
+                  and isinstance(head, ParallelLMHead)):
+                head.load_shard("weight", None, tensor)  # stands in until a head comes
             if (kv := _KV_SCALE.match(name)) and isinstance(modules.get(kv[1]), Attention):
                 # fp8 KV scales (compressed-tensors' kv_cache_scheme, older output_scale)
                 value = float(read_block(tensor).float().reshape(-1)[0])
