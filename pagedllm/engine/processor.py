@@ -169,4 +169,4 @@ class Processor:
                              f"length is {min(limit, self.info.pool_tokens)}")
         if params is None:
             params = self.pooler_config.params()
-        return ids, EngineCoreRequest(request_id, ids, None, [], time.monotonic(), params)
+        return ids, EngineCoreRequest(request_id, ids, None, [], time.monotonic(), pooling_params=params)

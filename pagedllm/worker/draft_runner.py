@@ -34,7 +34,7 @@ import torch
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import resolve_source
-from pagedllm.worker.model_runner import chunk_arrays, zeroed_kv_tensor
+from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
 
 if TYPE_CHECKING:
     from pagedllm.config import SpeculativeConfig

@@ -13,8 +13,6 @@ takes it from the device tensor step N sampled into (`_prev_tokens`).
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,34 +36,9 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.lora_manager import LoRAManager
+from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
 
 logger = logging.getLogger(__name__)
-
-
-def chunk_arrays(starts: np.ndarray, lens: np.ndarray, q_start: np.ndarray, tables: np.ndarray,
-                 block_size: int) -> dict[str, np.ndarray]:
-    """Positions and cache slots of every token of a step's chunks (`lens[i]` tokens of
-    sequence i from position `starts[i]`, rows from `q_start[i]`), with the per-sequence
-    arrays the attention metadata is built from; numpy, no per-token Python."""
-    total = int(lens.sum())
-    seq_of_row = np.repeat(np.arange(len(lens)), lens)
-    positions = np.arange(total, dtype=np.int64) - np.repeat(q_start - starts, lens)
-    slots = tables[seq_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    return {"positions": positions, "slots": slots, "q_start": q_start, "q_len": lens,
-            "ctx_len": starts + lens, "tables": tables}
-
-
-def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
-                     device: torch.device) -> tuple[torch.Tensor, mmap.mmap | None]:
-    """A zeroed KV tensor. Zeros matter: attention masks unused slots, but 0 * NaN from
-    stale memory would still poison a row. On CPU the memory is an anonymous mapping
-    (returned: it must outlive the tensor), which the kernel zero-fills page by page on
-    first touch, so a large pool costs nothing at start-up (an eager torch.zeros of 2 GiB
-    spends seconds in page faults)."""
-    if device.type == "cpu":
-        buf = mmap.mmap(-1, math.prod(shape) * (torch.finfo(dtype).bits // 8))
-        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape), buf
-    return torch.zeros(shape, dtype=dtype, device=device), None
 
 
 @dataclass
