@@ -292,3 +292,35 @@ def test_tensor_parallel_embeddings_equal_one_rank(tmp_path):
     finally:
         llm.engine.shutdown()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+                                  {"num_speculative_tokens": 2}], ids=["ngram", "draft-model"])
+def test_embeddings_beside_speculative_decodes(tmp_path, spec):
+    """Pooling chunks in the steps that verify drafts: the vectors are HF's hidden states
+    and the decodes keep HF's greedy tokens (a verify step counts its rows per sampled
+    request, and pooling requests are not among them)."""
+    path = str(tmp_path / "plain")
+    model = save_tiny_model(path, "qwen3", vocab_size=256)
+    if "method" not in spec:
+        spec = {**spec, "model": path}  # its own draft
+    llm = make_llm(path, skip_tokenizer_init=True, speculative_config={**spec, "max_batch_size": 8})
+    rng = np.random.default_rng(1)
+    loop = rng.integers(0, 256, 6).tolist() * 4  # repeats: n-gram drafts come up
+    eng = llm.engine
+    eng.add_request("g", None, loop, SamplingParams(temperature=0, max_tokens=20))
+    eng.step()
+    eng.step()
+    prompts = [rng.integers(0, 256, n).tolist() for n in (7, 30)]
+    done = {}
+    for i, ids in enumerate(prompts):
+        eng.add_pooling_request(f"e{i}", None, ids)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    for i, ids in enumerate(prompts):
+        np.testing.assert_allclose(done[f"e{i}"].outputs.embedding, hf_last_token(model, ids),
+                                   rtol=1e-4, atol=1e-5)
+    assert done["g"].outputs[0].token_ids == hf_greedy(model, loop, 20)[0]
+    assert eng.stats().spec_num_draft_tokens > 0
