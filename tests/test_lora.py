@@ -380,3 +380,19 @@ def test_lora_metric_names_running_and_waiting_adapters(adapters):
     text = generate_latest(engine.metrics.registry).decode()
     assert 'running_lora_adapters="",waiting_lora_adapters=""' in text
     assert text.count("pagedllm:lora_requests_info{") == 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_adapters_matches_peft(adapters, method):
+    """Verify steps of requests with different adapters: each row's adapter slot covers its
+    drafts' positions too (n-gram; a draft model proposes with the base weights), and the
+    tokens are PEFT's."""
+    path, hf, made = adapters("llama")
+    spec = {"num_speculative_tokens": 3, "max_batch_size": 8}
+    spec.update({"method": "ngram", "prompt_lookup_min": 1} if method == "ngram" else {"model": path})
+    llm = LLM(model=path, device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
+              enable_lora=True, max_loras=3, max_lora_rank=16, speculative_config=spec)
+    rng = random.Random(5)
+    loop = [rng.randrange(256) for _ in range(5)] * 3  # repeats: n-gram drafts come up
+    _check_mixed(llm, hf, made, [loop, *_prompts(4, seed=4), loop[:7]])
+    assert llm.engine.stats().spec_num_draft_tokens > 0
