@@ -30,7 +30,7 @@ def test_auto_takes_the_checkpoints_defaults_and_generate_uses_them(checkpoint, 
     seen: list[SamplingParams] = []
     add = llm.engine.add_request
     monkeypatch.setattr(llm.engine, "add_request",
-                        lambda rid, text, ids, p: (seen.append(p), add(rid, text, ids, p))[1])
+                        lambda rid, text, ids, p, *rest: (seen.append(p), add(rid, text, ids, p, *rest))[1])
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}])  # no params: the defaults
     assert seen[0].max_tokens == 4 and seen[0].temperature == 0.5
     assert 1 <= len(out[0].outputs[0].token_ids) <= 4
