@@ -77,3 +77,26 @@ def test_a_pool_shorter_than_max_model_len_says_what_is_refused(tiny_models):
     with pytest.raises(ValueError, match="whole pool holds 128"):
         llm.generate({"prompt_token_ids": list(range(100))}, SamplingParams(max_tokens=100))
     llm.generate({"prompt_token_ids": list(range(100))}, SamplingParams(max_tokens=28))
+
+
+def test_plan_sets_the_lora_slots_aside(tiny_models, capsys):
+    """The slot memory plan reserves is what an engine with those slots allocates (every
+    lora_a / lora_b buffer), and the GPU pool shrinks by it."""
+    from pagedllm.worker.lora_manager import lora_slot_bytes
+
+    path, _ = tiny_models("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, num_kv_blocks=16, dtype="float32",
+              enable_lora=True, max_loras=3, max_lora_rank=8)
+    model = llm.engine.executor.runner.model
+    allocated = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                    if n.rsplit(".", 1)[-1] in ("lora_a", "lora_b"))
+    assert allocated > 0
+    assert lora_slot_bytes(model, 3, 8, 4) == allocated
+    info, with_lora = plan_rows(path, gpu_memory=0.05, max_loras=3, max_lora_rank=8)
+    _, without = plan_rows(path, gpu_memory=0.05)
+    assert "lora_slots" in info
+    for a, b in zip(with_lora, without, strict=True):
+        assert a.kv_blocks < b.kv_blocks
+    cli.main(["plan", path, "--gpu-memory", "0.05", "--enable-lora", "--max-loras", "3",
+              "--max-lora-rank", "8"])
+    assert "lora_slots: 3 x rank 8" in capsys.readouterr().out

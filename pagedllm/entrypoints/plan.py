@@ -24,6 +24,7 @@ from pagedllm.model_executor.layers.parallel import ParallelLMHead
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_executor.models import resolve_architecture
 from pagedllm.model_source import resolve_source
+from pagedllm.worker.lora_manager import lora_slot_bytes
 
 # name -> (bytes per weight of the linear layers, bytes per element of everything else and KV)
 WEIGHT_FORMATS = {
@@ -79,7 +80,10 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
               max_num_batched_tokens: int | None = None, load_format: str = "auto",
               revision: str | None = None,
               download_dir: str | None = None,
-              kv_cache_dtype: str = "auto") -> tuple[dict, list[PlanRow]]:
+              kv_cache_dtype: str = "auto", max_loras: int = 0,
+              max_lora_rank: int = 64) -> tuple[dict, list[PlanRow]]:
+    """`max_loras` > 0: the adapter slots (LoRA) of that many adapters of rank
+    `max_lora_rank` come out of the GPU memory before the KV pool."""
     from pagedllm.config import EngineConfig
 
     given = {"block_size": block_size, "max_num_seqs": max_num_seqs}  # None: the engine's default
@@ -101,8 +105,10 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
     linear, other = count_parameters(hf, model)
     budget_tokens = cfg.max_num_batched_tokens
     rows = []
+    lora_per_elem = lora_slot_bytes(model, max_loras, max_lora_rank, 1) if max_loras else 0
     for name, (w_bytes, elem) in WEIGHT_FORMATS.items():
         weights = linear * w_bytes + other * elem
+        lora = lora_per_elem * elem  # slots in the activations' dtype
         # an fp8 KV cache holds one byte an element, whatever the weights are
         kv_elem = 1 if kv_cache_dtype.startswith("fp8") else elem
         per_token = pages.bytes_per_token(layers, kv_elem)
@@ -111,7 +117,7 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
             # Activations of the largest step, as the engine's profiling pass would see them.
             act = budget_tokens * (4 * hf.hidden_size + 3 * hf.intermediate_size) * elem
             act += min(budget_tokens, 256) * hf.vocab_size * 4 * 2 + budget_tokens * per_token
-            free = gpu_memory * 2**30 * gpu_memory_utilization - weights - act
+            free = gpu_memory * 2**30 * gpu_memory_utilization - weights - act - lora
             blocks = blocks_for_bytes(int(free), per_block) if free >= per_block else 0
         else:
             blocks = cpu_num_blocks(kv_cache_memory, per_block, max_num_seqs, max_len, block_size)
@@ -120,6 +126,8 @@ def plan_rows(model: str | None, max_model_len: int | None = None, block_size: i
     info = {"model": cfg.model, "architecture": arch, "parameters": linear + other,
             "layers": layers, **_page_fields(pages), "max_model_len": max_len,
             "block_size": block_size, "kv_cache_dtype": kv_cache_dtype,
+            **({"lora_slots": f"{max_loras} x rank {max_lora_rank}: "
+                              f"{lora_per_elem * 2 / 2**30:.3f} GiB in 16-bit"} if max_loras else {}),
             "memory": f"{gpu_memory} GiB GPU x {gpu_memory_utilization}"
             if on_gpu else f"CPU, kv_cache_memory={kv_cache_memory or 'default'}"}
     return info, rows
@@ -139,6 +147,10 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                    help="plan for an fp8 KV cache (one byte an element)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="set aside the adapter slots of multi-LoRA serving")
+    p.add_argument("--max-loras", type=int, default=4, help="adapter slots (with --enable-lora)")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="slot rank (with --enable-lora)")
     p.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--download-dir", metavar="DIR",
                    help="Hugging Face cache for hub ids (default: $HF_HUB_CACHE, else $HF_HOME/hub)")
@@ -151,7 +163,8 @@ def main(args: argparse.Namespace) -> int:
                                args.gpu_memory, args.gpu_memory_utilization,
                                parse_bytes(args.kv_cache_memory), args.max_num_seqs,
                                args.max_num_batched_tokens, args.load_format,
-                               args.revision, args.download_dir, args.kv_cache_dtype)
+                               args.revision, args.download_dir, args.kv_cache_dtype,
+                               args.max_loras if args.enable_lora else 0, args.max_lora_rank)
     except (ValueError, OSError, RuntimeError) as e:
         raise SystemExit(f"pagedllm plan: {e}") from None
     for k, v in info.items():

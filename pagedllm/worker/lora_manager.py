@@ -29,6 +29,24 @@ logger = logging.getLogger(__name__)
 _FUSED = ("qkv_proj", "gate_up_proj")
 
 
+def lora_layers(model: torch.nn.Module):
+    """(name, layer) of every linear layer adapters may target: the q/k/v/o and gate/up/down
+    projections, fused or not."""
+    for name, module in model.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if isinstance(module, LinearBase) and (short in LORA_TARGETS or short in _FUSED):
+            yield name, module
+
+
+def lora_slot_bytes(model: torch.nn.Module, max_loras: int, max_rank: int, elem_bytes: int) -> int:
+    """Device memory of the adapter slots (each target layer holds A [slots, shards x rank,
+    in] and B [slots, out, shards x rank], as lora/layers.py allocates them): what
+    `pagedllm plan` sets aside. Works on a meta-device model."""
+    per_slot = sum(len(layer.layout.shards) * max_rank * (layer.layout.in_features + layer.layout.out_features)
+                   for _, layer in lora_layers(model))
+    return max_loras * per_slot * elem_bytes
+
+
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, max_tokens: int):
@@ -38,11 +56,9 @@ class LoRAManager:
         self.batch = LoRABatch(self.max_loras, max_tokens, device)
         self.model = model
         self.layers: dict[str, LinearBase] = {}
-        for name, module in model.named_modules():
-            short = name.rsplit(".", 1)[-1]
-            if isinstance(module, LinearBase) and (short in LORA_TARGETS or short in _FUSED):
-                module.method = LoRAMethod(module.method, module, self.batch, self.max_rank, dtype, device)
-                self.layers[name] = module
+        for name, module in lora_layers(model):
+            module.method = LoRAMethod(module.method, module, self.batch, self.max_rank, dtype, device)
+            self.layers[name] = module
         if not self.layers:
             raise ValueError("this model has no layers LoRA can adapt")
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
