@@ -41,6 +41,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from pagedllm.triton_dot import dot
 except ImportError:  # CPU-only installs: callers check `available()`
     triton = None
 
@@ -167,12 +169,8 @@ if triton is not None:
                 g = _mxfp4_tile(W + e * swe, S + e * sse, rn, k0, H, N, swn, ssn, X.dtype.element_ty, BK, BN)
                 u = _mxfp4_tile(W + e * swe + N * swn, S + e * sse + N * ssn, rn, k0, H, N, swn, ssn,
                                 X.dtype.element_ty, BK, BN)
-                if IEEE:
-                    acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(a, g, acc_g)
-                    acc_u = tl.dot(a, u, acc_u)
+                acc_g = dot(a, g, acc_g, IEEE)
+                acc_u = dot(a, u, acc_u, IEEE)
                 a_ptr += BK * sxk
         else:
             g_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
@@ -183,12 +181,8 @@ if triton is not None:
                 wmask = kin[:, None] & (rn[None, :] < N)
                 g = tl.load(g_ptr, mask=wmask, other=0.0)
                 u = tl.load(u_ptr, mask=wmask, other=0.0)
-                if IEEE:  # float32 weights: full precision (tl.dot's float32 default is TF32)
-                    acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-                    acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(a, g, acc_g)
-                    acc_u = tl.dot(a, u, acc_u)
+                acc_g = dot(a, g, acc_g, IEEE)
+                acc_u = dot(a, u, acc_u, IEEE)
                 a_ptr += BK * sxk
                 g_ptr += BK * swk
                 u_ptr += BK * swk
@@ -221,10 +215,7 @@ if triton is not None:
             for k0 in range(0, K, BK):
                 a = tl.load(a_ptr, mask=valid[:, None] & (rk + k0 < K)[None, :], other=0.0)
                 w = _mxfp4_tile(W + e * swe, S + e * sse, rn, k0, K, N, swn, ssn, A.dtype.element_ty, BK, BN)
-                if IEEE:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w, acc)
+                acc = dot(a, w, acc, IEEE)
                 a_ptr += BK * sak
         else:
             w_ptr = W + e * swe + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk
@@ -232,10 +223,7 @@ if triton is not None:
                 kin = rk + k0 < K
                 a = tl.load(a_ptr, mask=valid[:, None] & kin[None, :], other=0.0)
                 w = tl.load(w_ptr, mask=kin[:, None] & (rn[None, :] < N), other=0.0)
-                if IEEE:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w, acc)
+                acc = dot(a, w, acc, IEEE)
                 a_ptr += BK * sak
                 w_ptr += BK * swk
         if BIAS:
