@@ -19,6 +19,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _slot_tile(tok_ptr, start_ptr, slot, count, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The tile of one adapter slot's tokens a program owns: the token rows (from the
+    slot's run of the sorted token list), their mask, and the output columns with theirs."""
+    first = tl.load(start_ptr + slot)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    m_mask = offs_m < count
+    rows = tl.load(tok_ptr + first + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    return rows, m_mask, offs_n, offs_n < N
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K, K_PER,
                    sxm, sxk, sal, san, sak, shm, shn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
@@ -29,15 +41,10 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K, K_PER
     pid_k = pid % SPLIT_K
     pid = pid // SPLIT_K
     pid_m = pid // N_TILES
-    pid_n = pid % N_TILES
     if pid_m * BM >= count:
         return
-    first = tl.load(start_ptr + slot)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    m_mask = offs_m < count
-    rows = tl.load(tok_ptr + first + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
+    rows, m_mask, offs_n, n_mask = _slot_tile(tok_ptr, start_ptr, slot, count, pid_m, pid % N_TILES, N,
+                                              BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * sal
     k_end = tl.minimum(K, (pid_k + 1) * K_PER)
@@ -68,15 +75,10 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
     slot = tl.program_id(1)
     count = tl.load(cnt_ptr + slot)
     pid_m = pid // N_TILES
-    pid_n = pid % N_TILES
     if pid_m * BM >= count:
         return
-    first = tl.load(start_ptr + slot)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    m_mask = offs_m < count
-    rows = tl.load(tok_ptr + first + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_mask = offs_n < N
+    rows, m_mask, offs_n, n_mask = _slot_tile(tok_ptr, start_ptr, slot, count, pid_m, pid % N_TILES, N,
+                                              BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     b_base = b_ptr + slot.to(tl.int64) * sbl
     for k0 in range(0, K, BK):
