@@ -51,7 +51,7 @@ from pagedllm.model_executor.layers.norm import RMSNorm
 from pagedllm.model_executor.layers.parallel import ParallelLMHead
 from pagedllm.model_executor.layers.rotary import RotaryEmbedding, rope_parameters
 from pagedllm.model_executor.layers.sharding import head_partition
-from pagedllm.model_executor.models.llama import MLP, DecoderModel, ModelShape
+from pagedllm.model_executor.models.llama import MLP, DecoderLayer, DecoderModel, ModelShape
 from pagedllm.model_executor.models.moe import MoeForCausalLM, SparseMoeBlock
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek's default, not rms_norm_eps
@@ -189,23 +189,16 @@ def _mlp_shape(s: MlaShape, intermediate: int) -> ModelShape:
     return shape
 
 
-class MlaDecoderLayer(nn.Module):
+class MlaDecoderLayer(DecoderLayer):
+    """Llama's pre-norm layer (its forward) around latent attention and a dense or MoE MLP."""
+
     def __init__(self, s: MlaShape, rotary, mlp: nn.Module, kernels: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = MlaAttention(s, rotary, kernels)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
-
-    def forward(self, positions, x, residual, kv_cache, meta):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        self.sandwich_norm = False
 
 
 def is_moe_layer(config, i: int) -> bool:
