@@ -10,6 +10,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)
 
 
+# Families whose attention SDPA cannot express (Gemma 2's soft-capped scores, gpt-oss's
+# sinks): some transformers releases still pick SDPA for them and then drop the cap or the
+# sinks, so the reference is pinned to the eager implementation, which has both.
+EAGER_ONLY = ("gemma2", "gpt_oss")
+
+
 def make_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
@@ -40,7 +46,10 @@ def random_tiny_model(model_type: str, seed: int = 0, norm_std: float = 0.0, **o
 
     torch.manual_seed(seed)
     config = make_config(model_type, **overrides)
-    return randomize(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval(), norm_std)
+    kw = {}
+    if model_type in EAGER_ONLY:
+        kw["attn_implementation"] = "eager"
+    return randomize(AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **kw).eval(), norm_std)
 
 
 def save_tiny_model(path: str, model_type: str, seed: int = 0, safetensors: bool = True,

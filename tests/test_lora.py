@@ -194,8 +194,11 @@ def test_block_hashes_depend_on_adapter():
     assert len(set(hashes)) == 3 and all(len(h) == 2 for h in hashes)
 
 
-def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """The kernels against the torch path (in float32), and that against a per-token loop."""
+def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 only: int | None = None):
+    """The kernels against the torch path (in float32), and that against a per-token loop.
+    `only`: every token on that one slot (-1: none has an adapter; the tile table is then
+    all unused entries)."""
     from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
     from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
 
@@ -204,12 +207,13 @@ def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch
     x = torch.randn(m, k, generator=gen) / k**0.5
     a, b = torch.randn(slots_n, r, k, generator=gen), torch.randn(slots_n, n, r, generator=gen)
     slots = np.random.default_rng(0).integers(-1, slots_n, m).astype(np.int32)
+    if only is not None:
+        slots[:] = only
     batch = LoRABatch(slots_n, m, torch.device(device))
     batch.set(slots, m)
     base = torch.randn(m, n, generator=gen)
     dev = [t.to(device, dtype) for t in (x, a, b, base)]
-    y = lora_expand(lora_shrink(dev[0], dev[1], batch.sorted_tokens, batch.counts, batch.starts),
-                    dev[2], dev[3].clone(), batch.sorted_tokens, batch.counts, batch.starts).cpu().float()
+    y = lora_expand(lora_shrink(dev[0], dev[1], batch), dev[2], dev[3].clone(), batch).cpu().float()
     ref = base + lora_delta_torch(x, a, b, batch.token_slot.cpu())
     assert torch.equal(y[slots < 0], dev[3].cpu().float()[slots < 0])  # base rows untouched
     tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -251,6 +255,7 @@ def test_triton_kernels_interpreted(tmp_path):
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
             "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); "
+            "test_lora._kernel_case(40, 64, only=2); test_lora._kernel_case(300, 64, only=-1); "
             f"test_lora._engine_triton_case({str(tmp_path)!r}); print('ok')")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}

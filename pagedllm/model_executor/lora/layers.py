@@ -31,9 +31,21 @@ if TYPE_CHECKING:
     from pagedllm.model_executor.layers.linear import LinearBase
 
 
+def lora_block_m(num_rows: int) -> int:
+    """Token rows per tile of the LoRA kernels for a step of `num_rows` rows (small tiles
+    for decode steps, larger ones for prefills); the tile table is cut with it."""
+    return 16 if num_rows <= 256 else 64
+
+
 class LoRABatch:
     """Per-token adapter slots of the current step, in one persistent int32 device buffer
-    (token slot | tokens grouped by slot | tokens per slot | first index per slot).
+    (token slot | tokens grouped by slot | tokens per slot | first index per slot | tile
+    table: slot, then tile index within the slot, of each token tile).
+
+    The kernels' grid has one row of programs per entry of the tile table, which holds
+    only the tiles some slot's tokens fill (at most ceil(rows / BM) + slots of them): a
+    step where one adapter of four is in use, or none, launches about a quarter of the
+    programs a (token tiles x slots) grid would, most of which would find no token.
 
     `active` False: no token of the step has an adapter (eager steps then skip LoRA)."""
 
@@ -42,20 +54,30 @@ class LoRABatch:
         self.max_tokens = t = -(-max_tokens // 16) * 16
         self.device = device
         s = -(-num_slots // 16) * 16
-        self._off = (0, t, 2 * t, 2 * t + s)
-        self.buf = torch.zeros(2 * t + 2 * s, dtype=torch.int32, device=device)
+        self.max_tiles = mt = -(-(t // 16 + num_slots) // 16) * 16
+        self._off = (0, t, 2 * t, 2 * t + s, 2 * t + 2 * s, 2 * t + 2 * s + mt)
+        self.buf = torch.zeros(2 * t + 2 * s + 2 * mt, dtype=torch.int32, device=device)
         self.buf[: t] = -1
+        self.buf[self._off[4] :] = -1
         self.use_triton = device.type == "cuda"
         self.active = False
         self.bind(0)
 
+    def num_tiles(self, num_rows: int) -> int:
+        """Entries of the tile table a step of `num_rows` rows launches."""
+        return -(-num_rows // lora_block_m(num_rows)) + self.num_slots
+
     def bind(self, num_tokens: int) -> None:
         """Views of the buffer for a step of `num_tokens` rows (a captured graph's size)."""
         o, t = self._off, num_tokens
+        self.block_m = lora_block_m(t)
+        nt = self.num_tiles(t)
         self.token_slot = self.buf[o[0] : o[0] + t]
         self.sorted_tokens = self.buf[o[1] : o[1] + t]
         self.counts = self.buf[o[2] : o[2] + self.num_slots]
         self.starts = self.buf[o[3] : o[3] + self.num_slots]
+        self.tile_slot = self.buf[o[4] : o[4] + nt]
+        self.tile_m = self.buf[o[5] : o[5] + nt]
 
     def host_arrays(self, token_slots: np.ndarray, num_rows: int) -> np.ndarray:
         """The buffer's contents for a step whose rows (padded to `num_rows`) use these
@@ -75,6 +97,14 @@ class LoRABatch:
         starts = np.zeros(self.num_slots, dtype=np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
         host[o[3] : o[3] + self.num_slots] = starts
+        bm = lora_block_m(num_rows)
+        tiles = -(-counts // bm)  # per slot
+        total = int(tiles.sum())
+        host[o[4] :] = -1
+        host[o[4] : o[4] + total] = np.repeat(np.arange(self.num_slots), tiles)
+        first = np.zeros(self.num_slots, dtype=np.int64)
+        np.cumsum(tiles[:-1], out=first[1:])
+        host[o[5] : o[5] + total] = np.arange(total) - np.repeat(first, tiles)
         return host
 
     def set(self, token_slots: np.ndarray, num_rows: int) -> None:
@@ -147,8 +177,7 @@ class LoRAMethod(WeightMethod):
         if batch.use_triton and not batch_invariant.is_enabled():
             from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
 
-            h = lora_shrink(x, layer.lora_a, batch.sorted_tokens, batch.counts, batch.starts)
-            return lora_expand(h, layer.lora_b, y, batch.sorted_tokens, batch.counts, batch.starts)
+            return lora_expand(lora_shrink(x, layer.lora_a, batch), layer.lora_b, y, batch)
         return y + lora_delta_torch(x, layer.lora_a, layer.lora_b, batch.token_slot).to(y.dtype)
 
     # ------------------------------------------------------------------ slots

@@ -2,9 +2,10 @@
 adapter in one launch each, grouped by adapter (Punica's SGMV idea).
 
 Tokens are listed grouped by the slot their adapter occupies (`sorted_tokens`, with
-`counts[s]` tokens of slot s starting at `starts[s]`; base-model tokens are not listed).
-The grid is fixed for a given number of tokens: (token tiles x output tiles, slots); a
-program whose tile lies past its slot's token count returns at once. Nothing depends on
+`counts[s]` tokens of slot s starting at `starts[s]`; base-model tokens are not listed),
+and a tile table names the (slot, token tile) pairs those runs fill (`LoRABatch`). The
+grid is fixed for a given number of tokens: (table entries x output tiles); a program
+whose entry is unused returns at once. Nothing depends on
 the batch's contents but the index buffers, so a decode step with LoRA is captured in a
 CUDA graph like any other (the buffers are persistent, refreshed before each replay).
 
@@ -17,34 +18,40 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.model_executor.lora.layers import LoRABatch
+
 
 @triton.jit
-def _slot_tile(tok_ptr, start_ptr, slot, count, pid_m, pid_n, N, BM: tl.constexpr, BN: tl.constexpr):
-    """The tile of one adapter slot's tokens a program owns: the token rows (from the
-    slot's run of the sorted token list), their mask, and the output columns with theirs."""
-    first = tl.load(start_ptr + slot)
-    offs_m = pid_m * BM + tl.arange(0, BM)
+def _tile(pid, tile_slot_ptr, tile_m_ptr, tok_ptr, cnt_ptr, start_ptr, N, N_TILES: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr):
+    """The tile a program owns, from the step's tile table (entry pid // N_TILES): its slot
+    (-1: an unused entry, the program has nothing to do), the token rows of that slot it
+    covers (from the slot's run of the sorted token list) with their mask, and the output
+    columns with theirs."""
+    slot = tl.load(tile_slot_ptr + pid // N_TILES)
+    # An unused entry (-1, -1) reads slot 0's first tile, in bounds; the caller returns.
+    m_tile = tl.maximum(tl.load(tile_m_ptr + pid // N_TILES), 0)
+    safe = tl.maximum(slot, 0)
+    count = tl.load(cnt_ptr + safe)
+    first = tl.load(start_ptr + safe)
+    offs_m = m_tile * BM + tl.arange(0, BM)
     m_mask = offs_m < count
     rows = tl.load(tok_ptr + first + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    return rows, m_mask, offs_n, offs_n < N
+    offs_n = (pid % N_TILES) * BN + tl.arange(0, BN)
+    return slot, rows, m_mask, offs_n, offs_n < N
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K, K_PER,
-                   sxm, sxk, sal, san, sak, shm, shn,
+def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_ptr, tile_m_ptr,
+                   N, K, K_PER, sxm, sxk, sal, san, sak, shm, shn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    count = tl.load(cnt_ptr + slot)
     pid_k = pid % SPLIT_K
-    pid = pid // SPLIT_K
-    pid_m = pid // N_TILES
-    if pid_m * BM >= count:
+    slot, rows, m_mask, offs_n, n_mask = _tile(pid // SPLIT_K, tile_slot_ptr, tile_m_ptr, tok_ptr,
+                                               cnt_ptr, start_ptr, N, N_TILES, BM, BN)
+    if slot < 0:
         return
-    rows, m_mask, offs_n, n_mask = _slot_tile(tok_ptr, start_ptr, slot, count, pid_m, pid % N_TILES, N,
-                                              BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * sal
     k_end = tl.minimum(K, (pid_k + 1) * K_PER)
@@ -67,18 +74,14 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, N, K, K_PER
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, N, K,
-                   shm, shk, sbl, sbn, sbk, sym, syn,
+def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_ptr, tile_m_ptr,
+                   N, K, shm, shk, sbl, sbn, sbk, sym, syn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
                    IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    slot = tl.program_id(1)
-    count = tl.load(cnt_ptr + slot)
-    pid_m = pid // N_TILES
-    if pid_m * BM >= count:
+    slot, rows, m_mask, offs_n, n_mask = _tile(tl.program_id(0), tile_slot_ptr, tile_m_ptr, tok_ptr,
+                                               cnt_ptr, start_ptr, N, N_TILES, BM, BN)
+    if slot < 0:
         return
-    rows, m_mask, offs_n, n_mask = _slot_tile(tok_ptr, start_ptr, slot, count, pid_m, pid % N_TILES, N,
-                                              BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     b_base = b_ptr + slot.to(tl.int64) * sbl
     for k0 in range(0, K, BK):
@@ -102,42 +105,36 @@ def _pow2(n: int, lo: int = 16, hi: int = 128) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
 
-def _block_m(m: int) -> int:
-    return 16 if m <= 256 else 64
-
-
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, counts: torch.Tensor,
-                starts: torch.Tensor) -> torch.Tensor:
-    """h[t] = x[t] @ a[slot(t)].T for every listed token t; x [M, K], a [L, R, K] ->
-    h [M, R] float32 (rows of unlisted tokens are left unset)."""
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """h[t] = x[t] @ a[slot(t)].T for every listed token t of `batch` (bound to x's rows);
+    x [M, K], a [L, R, K] -> h [M, R] float32 (rows of unlisted tokens are left unset)."""
     m, k = x.shape
-    slots, r, _ = a.shape
-    bm, bn, bk = _block_m(m), _pow2(r, hi=64), 64 if m > 256 else 128
+    _, r, _ = a.shape
+    bm, bn, bk = batch.block_m, _pow2(r, hi=64), 64 if m > 256 else 128
     # Few tokens make few tiles (one per 16 tokens of a slot): the long K is split over
     # programs too, so that a decode step's shrink fills the GPU.
     split_k = max(1, min(16, k // (4 * bk))) if m <= 256 else 1
     k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
     h = (torch.zeros if split_k > 1 else torch.empty)((m, r), dtype=torch.float32, device=x.device)
     n_tiles = triton.cdiv(r, bn)
-    grid = (triton.cdiv(m, bm) * n_tiles * split_k, slots)
-    _shrink_kernel[grid](x, a, h, sorted_tokens, counts, starts, r, k, k_per,
-                         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-                         h.stride(0), h.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
+    grid = (batch.tile_slot.numel() * n_tiles * split_k,)
+    _shrink_kernel[grid](x, a, h, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
+                         batch.tile_m, r, k, k_per, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
+                         a.stride(2), h.stride(0), h.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
                          SPLIT_K=split_k, IEEE=x.dtype == torch.float32)
     return h
 
 
-def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, sorted_tokens: torch.Tensor,
-                counts: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """y[t] += h[t] @ b[slot(t)].T for every listed token t, in place; h [M, R] float32,
-    b [L, N, R], y [M, N]."""
-    m, r = h.shape
-    slots, n, _ = b.shape
-    bm, bn, bk = _block_m(m), 128 if m > 256 else 64, _pow2(r, hi=64)
+def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """y[t] += h[t] @ b[slot(t)].T for every listed token t of `batch`, in place; h [M, R]
+    float32, b [L, N, R], y [M, N]."""
+    _, r = h.shape
+    _, n, _ = b.shape
+    bm, bn, bk = batch.block_m, 128, _pow2(r, hi=64)
     n_tiles = triton.cdiv(n, bn)
-    grid = (triton.cdiv(m, bm) * n_tiles, slots)
-    _expand_kernel[grid](h, b, y, sorted_tokens, counts, starts, n, r,
-                         h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2),
-                         y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
+    grid = (batch.tile_slot.numel() * n_tiles,)
+    _expand_kernel[grid](h, b, y, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
+                         batch.tile_m, n, r, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
+                         b.stride(2), y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
                          IEEE=b.dtype == torch.float32)
     return y

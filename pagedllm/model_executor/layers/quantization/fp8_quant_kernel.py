@@ -4,7 +4,8 @@ The torch form (abs, amax, divide, clamp, cast) is five kernels and a float32 co
 activations per linear layer; at decode those launches and passes cost more than the
 FP8 product saves. One program per token row reads the row once for its amax and once
 more (from L2) to write the e4m3 values and the float32 scale `amax / 448`, the same
-arithmetic as `fp8.quantize_tokens`.
+arithmetic as `fp8.quantize_tokens`: IEEE-rounded divisions (`div_rn`; Triton's `/` is
+the approximate one on CUDA), so the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q,
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), MIN_AMAX) / FP8_MAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         v = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0)
-        q = tl.clamp(v.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(v.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
 
 
