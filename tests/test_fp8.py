@@ -47,7 +47,9 @@ from pagedllm.model_executor.layers.weight_method import DenseMethod
 SHAPE = dict(hidden_size=128, intermediate_size=256)
 # hidden 192 / MLP 320: partial blocks along both dimensions of every block-scaled weight.
 RAGGED = dict(hidden_size=192, intermediate_size=320)
-KW = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
+# The CPU tests pin the CPU: on a GPU machine the default device would take the FP8
+# tensor-core path, whose activations are e4m3-rounded (the CUDA tests below cover it).
+KW = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=128, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +252,7 @@ def test_dummy_weights_with_fp8(tmp_path):
     cfg["architectures"] = ["LlamaForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(tmp_path), load_format="dummy", quantization="fp8", skip_tokenizer_init=True,
-              num_kv_blocks=32)
+              num_kv_blocks=32, device="cpu")
     layers = _fp8_layers(llm.engine.executor.model)
     assert len(layers) == 8 and all(isinstance(m.method, Fp8Method) for m in layers)
     w = layers[0].dequantized_weight()
@@ -309,7 +311,7 @@ def test_tp2_fp8_greedy_equals_tp1(float_model, tmp_path):
 
     _, hf = float_model
     write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "tensor"))
-    _assert_tp2_equals_tp1(str(tmp_path))
+    _assert_tp2_equals_tp1(str(tmp_path), device="cpu")
 
 
 # ---------------------------------------------------------------------------- the FP8 matmul path
@@ -443,10 +445,11 @@ def _block_scaled_mm_runs() -> bool:
     CUBLAS_STATUS_NOT_SUPPORTED): the layer must keep fp8 weights exactly when it does."""
     if torch.cuda.get_device_capability()[0] != 9:
         return False
-    w = (torch.randn(256, 256, device="cuda") * 0.1).to(torch.float8_e4m3fn)
-    scale = torch.ones(256, 2, device="cuda").t().contiguous().t()
-    try:
-        fp8_method.scaled_mm(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16), w, scale, 128)
+    w = (torch.randn(768, 1024, device="cuda") * 0.1).to(torch.float8_e4m3fn)
+    scale = torch.ones(768, 8, device="cuda").t().contiguous().t()
+    try:  # the test layer's shape, at a decode's rows and an odd prefill's
+        for m in (1, 17):
+            fp8_method.scaled_mm(torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16), w, scale, 128)
     except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True

@@ -55,7 +55,7 @@ def test_the_engine_with_an_fp8_cache_stays_close_to_full_precision(tiny_models)
     0.07 on average and at most about 0.4, and the most likely token mostly stays the
     same. The pool holds 4x the tokens of a float32 cache in the same memory."""
     path, _ = tiny_models("llama")
-    kw = dict(model=path, skip_tokenizer_init=True, block_size=16, kv_cache_memory="2MiB")
+    kw = dict(model=path, skip_tokenizer_init=True, block_size=16, kv_cache_memory="2MiB", device="cpu")
     full = LLM(**kw)
     fp8 = LLM(**kw, kv_cache_dtype="fp8")
     assert fp8.engine.describe()["kv_tokens"] == 4 * full.engine.describe()["kv_tokens"]
@@ -94,10 +94,10 @@ def test_kv_scales_come_from_the_checkpoint(tiny_models, tmp_path):
         weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(4.0)
     save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(model=str(dst), skip_tokenizer_init=True, block_size=16, num_kv_blocks=32,
-              kv_cache_dtype="fp8")
+              kv_cache_dtype="fp8", device="cpu")
     attn = llm.engine.executor.runner.model.model.layers[0].self_attn
     assert (attn.k_scale, attn.v_scale) == (0.25, 4.0)
-    plain = LLM(model=str(dst), skip_tokenizer_init=True, block_size=16, num_kv_blocks=32)
+    plain = LLM(model=str(dst), skip_tokenizer_init=True, block_size=16, num_kv_blocks=32, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=1)
     prompt = {"prompt_token_ids": [3, 4, 5, 6]}
     llm.generate([prompt], params)
@@ -129,7 +129,8 @@ def test_fp8_pages_give_the_same_tokens_chunked_and_prefix_cached(tiny_models):
     prompt into chunks or taking its prefix from the cache changes nothing: greedy tokens
     and prompt logprobs equal those of whole prompts with no cache."""
     path, _ = tiny_models("llama")
-    kw = dict(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8")
+    kw = dict(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8",
+              device="cpu")
     whole = LLM(**kw, enable_prefix_caching=False)
     split = LLM(**kw, enable_prefix_caching=True, max_num_batched_tokens=16)
     prompts = _prompts(4, seed=5)

@@ -283,8 +283,8 @@ def test_harmony_reasoning_parser_splits_channels():
 def test_cuda_gpt_oss_with_graphs_matches_eager_and_transformers(gpt_oss):
     """On CUDA: the Triton attention kernel with sinks, the fused MoE kernels with biases and
     the clamped SwiGLU, decode steps replayed from CUDA graphs; against the same engine run
-    eagerly and against transformers (float32 on the CPU)."""
-    path, hf = gpt_oss
+    eagerly and against the CPU engine (float32), which the CPU tests hold to transformers."""
+    path, _ = gpt_oss
     prompts = _prompts(5, seed=8, lo=3, hi=40)
     runs = []
     for eager in (False, True):
@@ -293,7 +293,22 @@ def test_cuda_gpt_oss_with_graphs_matches_eager_and_transformers(gpt_oss):
         assert (llm.engine.executor.runner.graphs is None) == eager
         runs.append(_run(llm, prompts))
     assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
-    assert _matches(runs[0], hf, prompts, abs_tol=1e-3)
+    _assert_same_run(runs[0], _cpu_run(path, prompts))
+
+
+def _cpu_run(path: str, prompts):
+    """The CPU engine's greedy run: the GPU tests' reference. transformers 5.17 (the GPU
+    machine's) gives other logprobs for this tiny gpt-oss than the CPU engine and
+    transformers 5.25 do (which agree to 1e-6), so the chain to transformers is kept by
+    the CPU parity tests under CI's transformers rather than by the GPU machine's."""
+    return _run(LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=16,
+                    num_kv_blocks=256, max_num_seqs=8, max_model_len=256), prompts)
+
+
+def _assert_same_run(got, want, abs_tol: float = 1e-3) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=abs_tol)
 
 
 HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
@@ -350,15 +365,14 @@ def test_harmony_answer_streamed_from_token_ids():
 @pytest.mark.gpu
 def test_cuda_packed_mxfp4_matches_its_dequantized_twin(gpt_oss, tmp_path):
     """On CUDA the MXFP4 experts stay packed (the fused kernels dequantize them tile by
-    tile): the same tokens as the float twin, and as transformers on the dequantized experts."""
+    tile): the same tokens as the float twin on CUDA, and tokens and logprobs as the CPU
+    engine on the twin (which the CPU tests hold to transformers)."""
     _, hf = gpt_oss
-    qdir, tdir, twin = _mxfp4_pair(hf, tmp_path)
+    qdir, tdir, _ = _mxfp4_pair(hf, tmp_path)
     kw = dict(skip_tokenizer_init=True, dtype="float32", device="cuda", num_kv_blocks=256, max_model_len=256)
     quant = LLM(model=qdir, **kw)
     assert isinstance(_model(quant).model.layers[0].mlp, Mxfp4Experts)
     prompts = _prompts(4, seed=11, lo=10, hi=40)
     got, want = _run(quant, prompts), _run(LLM(model=tdir, **kw), prompts)
     assert [t for t, _ in got] == [t for t, _ in want]
-    twin_hf = copy.deepcopy(hf)
-    twin_hf.load_state_dict(twin)
-    assert _matches(got, twin_hf, prompts, abs_tol=1e-3)
+    _assert_same_run(got, _cpu_run(tdir, prompts))

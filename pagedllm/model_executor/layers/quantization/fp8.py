@@ -118,7 +118,9 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
+    # times the float32 reciprocal, as CUDA torch divides by a Python scalar anyway (and
+    # as the Triton kernel does): the two forms agree bit for bit
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) * (1.0 / FP8_MAX)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
