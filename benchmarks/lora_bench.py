@@ -163,10 +163,11 @@ def main() -> None:
             merged[f"{child}_engine"] = out
     r = merged["results"]
     base = r["base"]["output_tok_s"]
-    summary = {name: round(r[name]["output_tok_s"] / base, 3)
-               for name in ("base_lora_engine", "lora8_slots4", "lora1")}
+    ratios = {name: r[name]["output_tok_s"] / base for name in ("base_lora_engine", "lora8_slots4", "lora1")}
+    summary = {name: round(x, 4) for name, x in ratios.items()}
     summary["targets"] = {"lora8_slots4": 0.75, "lora1": 0.85}
-    summary["met"] = summary["lora8_slots4"] >= 0.75 and summary["lora1"] >= 0.85
+    # judged on the unrounded ratios (0.8498 is not 0.85)
+    summary["met"] = ratios["lora8_slots4"] >= 0.75 and ratios["lora1"] >= 0.85
     print(json.dumps(summary))
     if args.output_json:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

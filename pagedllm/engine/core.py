@@ -20,6 +20,7 @@ from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from pagedllm.engine.token_ids import token_ids_in_range
 from pagedllm.executor import ExecutorDeadError, make_executor
 from pagedllm.memory import full_length_sequences
 from pagedllm.model_executor.loader.loader import load_hf_config
@@ -189,7 +190,7 @@ class EngineCore:
         vocab = self.executor.vocab_size
         p = request.sampling_params
         ids = request.prompt_token_ids
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if not token_ids_in_range(ids, vocab):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if request.lora_request is not None and not self.config.enable_lora:
             raise ValueError("a LoRA adapter was requested but LoRA is off (enable_lora=True, "

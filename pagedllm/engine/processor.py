@@ -12,6 +12,7 @@ import os
 import time
 
 from pagedllm.engine.messages import CoreInfo, EngineCoreRequest
+from pagedllm.engine.token_ids import token_ids_in_range
 from pagedllm.lora_request import LoRARequest
 from pagedllm.model_executor.lora.peft import inspect_adapter
 from pagedllm.pooling_params import PoolerConfig, PoolingParams
@@ -93,7 +94,7 @@ class Processor:
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """ValueError for what the model cannot take; returns the resolved max_tokens."""
         vocab, limit = self.info.vocab_size, self.info.max_model_len
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        if not token_ids_in_range(prompt_token_ids, vocab):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if params.logit_bias and any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
@@ -160,7 +161,7 @@ class Processor:
                 raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {limit}], got "
                                  f"{truncate_prompt_tokens}")
             ids = ids[-k:]
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if not token_ids_in_range(ids, vocab):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not ids:
             raise ValueError("the input must contain at least one token")
