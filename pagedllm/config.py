@@ -7,6 +7,7 @@ keyword arguments through the next.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -325,6 +326,14 @@ class EngineConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be generate|pooling (task: generate|embed), got "
                              f"{self.runner!r}")
+        if isinstance(self.hf_overrides, str):  # the CLI's JSON
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides: not valid JSON ({e})") from None
+        if not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides must be a dict (a JSON object), got "
+                             f"{type(self.hf_overrides).__name__}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
@@ -386,6 +395,8 @@ class EngineConfig:
             named = str(named).replace("torch.", "") if named is not None else ""
             dtype = named if named in ("float16", "bfloat16") else "bfloat16"
         budget = self.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(kind, 2048)
+        if bidirectional(self, hf_config) and budget < max_model_len:
+            budget = max_model_len  # every input is read whole in one step
         prefill_cap = self.max_prefill_tokens_with_decodes
         if prefill_cap is None:
             prefill_cap = DEFAULT_PREFILL_TOKENS_WITH_DECODES.get(kind, 256)
@@ -418,3 +429,11 @@ class EngineConfig:
         if looks_like_hub_id(self.model):
             return self.model
         return self.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
+
+
+def bidirectional(config: EngineConfig, hf_config) -> bool:
+    """Whether the model's attention runs both ways: an embedding checkpoint that says
+    `is_causal: false` (gte-Qwen2), served by the pooling runner. Each input is then read
+    whole in one step (never chunked, never from the prefix cache), so the step's token
+    budget is at least max_model_len."""
+    return config.runner == "pooling" and getattr(hf_config, "is_causal", True) is False

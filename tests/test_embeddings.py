@@ -324,3 +324,48 @@ def test_embeddings_beside_speculative_decodes(tmp_path, spec):
                                    rtol=1e-4, atol=1e-5)
     assert done["g"].outputs[0].token_ids == hf_greedy(model, loop, 20)[0]
     assert eng.stats().spec_num_draft_tokens > 0
+
+
+def hf_bidirectional_last_token(model, ids: list[int]) -> np.ndarray:
+    """The reference for `is_causal: false`: HF's decoder given an all-visible 4D mask (no
+    causal triangle), its last token's final hidden state, normalized."""
+    with torch.no_grad():
+        mask = torch.zeros(1, 1, len(ids), len(ids))
+        h = model.model(torch.tensor([ids]), attention_mask=mask).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(h, dim=-1).numpy()
+
+
+def test_bidirectional_embedding_model(tmp_path):
+    """gte-Qwen2's `is_causal: false` (in config.json, or through hf_overrides): with the
+    pooling runner every input token sees every other, as HF's decoder with a full mask;
+    inputs longer than the step budget are read whole (the budget is raised to
+    max_model_len), several in one step. The generate runner stays causal."""
+    causal_dir = str(tmp_path / "causal")
+    model = save_tiny_model(causal_dir, "qwen2", vocab_size=256)
+    bidir_dir = str(tmp_path / "gte")
+    shutil.copytree(causal_dir, bidir_dir)
+    with open(os.path.join(bidir_dir, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(bidir_dir, "config.json"), "w") as f:
+        json.dump({**cfg, "is_causal": False}, f)
+    rng = np.random.default_rng(3)
+    # BUDGET is 16; 200 + 120 exceed one step's 256 tokens: the second waits for the next step
+    prompts = [rng.integers(0, 256, n).tolist() for n in (40, 5, 23, 1, 64, 200, 120)]
+    llm = make_llm(bidir_dir, skip_tokenizer_init=True, runner="pooling")
+    assert llm.engine.config.max_num_batched_tokens == 256  # max_model_len: inputs read whole
+    got = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in prompts])]
+    for p, g in zip(prompts, got, strict=True):
+        np.testing.assert_allclose(g, hf_bidirectional_last_token(model, p), rtol=1e-4, atol=1e-5)
+        if len(p) > 1:  # a causal reading is another vector
+            assert not np.allclose(g, hf_last_token(model, p), atol=1e-3)
+    # The same through hf_overrides on the causal checkpoint.
+    over = make_llm(causal_dir, skip_tokenizer_init=True, runner="pooling", hf_overrides={"is_causal": False})
+    np.testing.assert_allclose(over.embed({"prompt_token_ids": prompts[0]})[0].outputs.embedding, got[0],
+                               rtol=1e-5, atol=1e-6)
+    # The generate runner cannot decode bidirectionally: it serves the checkpoint causal.
+    gen = make_llm(bidir_dir, skip_tokenizer_init=True)
+    assert gen.engine.config.max_num_batched_tokens == BUDGET
+    np.testing.assert_allclose(gen.embed({"prompt_token_ids": prompts[0]})[0].outputs.embedding,
+                               hf_last_token(model, prompts[0]), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="hf_overrides"):
+        LLM(model=causal_dir, hf_overrides="[1")

@@ -129,6 +129,7 @@ class TorchPagedAttention:
     name = "torch"
     supports_alibi = True
     supports_softcap = True
+    supports_bidirectional = True
     supports_sinks = True
     prefill_tile_q = 0  # no kernel tiles: the runner leaves prefill_tiles empty
     long_slots = True  # the KV cache is written by index_copy_, which takes int64 slots
@@ -159,6 +160,7 @@ class TorchPagedAttention:
         v_scale: float = 1.0,
         logits_soft_cap: float | None = None,  # scores -> cap * tanh(score / cap) (Gemma 2)
         sinks: torch.Tensor | None = None,  # [Hq] logits that join each softmax's denominator
+        causal: bool = True,  # False: a prompt's tokens all see each other (embedding models)
     ) -> torch.Tensor:
         TorchPagedAttention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         fp8 = is_fp8(k_cache)
@@ -204,7 +206,12 @@ class TorchPagedAttention:
                 vs = dequantize(v_cache.index_select(0, table), v_scale, q.dtype).view(-1, hkv, dim)[:ctx]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             windowed = sliding_window is not None and sliding_window < ctx
-            if alibi_slopes is None and ctx == qlen and not windowed:
+            if not causal:
+                if ctx != qlen:
+                    raise RuntimeError("bidirectional attention reads an input whole in one step; "
+                                       f"got {qlen} of {ctx} tokens")
+                o = sdpa(qs, ks, vs, None, scale, gqa, sinks, softcap=logits_soft_cap)
+            elif alibi_slopes is None and ctx == qlen and not windowed:
                 o = sdpa(qs, ks, vs, None, scale, gqa, sinks, is_causal=True, softcap=logits_soft_cap)
             else:
                 qpos = torch.arange(ctx - qlen, ctx, device=q.device)

@@ -70,6 +70,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
+    CAUSAL: tl.constexpr = True,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -115,7 +116,10 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
+    if CAUSAL:
+        kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
+    else:  # bidirectional (a whole input in one step): every row sees every key
+        kv_end = ctx
     table = block_tables + seq.to(tl.int64) * stride_bt
     kv_start = 0
     if WINDOW:  # keys before the first one any row of the tile sees are skipped
@@ -134,7 +138,10 @@ def _paged_attention_kernel(
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
         if ALIBI:
             s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
-        visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if CAUSAL:
+            visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        else:
+            visible = (n[None, :] < kv_end) & row_ok[:, None]
         if WINDOW:
             visible &= n[None, :] > qpos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
@@ -164,6 +171,7 @@ class TritonPagedAttention:
     supports_alibi = True
     supports_softcap = True
     supports_sinks = True
+    supports_bidirectional = True
     graph_safe = True  # nothing in a launch reads the host: decode steps can be captured
     BLOCK_M_PREFILL = 64
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
@@ -189,7 +197,7 @@ class TritonPagedAttention:
                      alibi_slopes: torch.Tensor | None, sliding_window: int | None,
                      k_scale: float, v_scale: float,
                      logits_soft_cap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> tuple[tuple, dict]:
+                     sinks: torch.Tensor | None = None, causal: bool = True) -> tuple[tuple, dict]:
         """The kernel's arguments shared by the decode and the prefill launches."""
         hq, dim = q.shape[1], q.shape[2]
         fp8 = k_cache.dtype == torch.float8_e4m3fn
@@ -204,6 +212,7 @@ class TritonPagedAttention:
             GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
             ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
             Sinks=q if sinks is None else sinks, SINKS=sinks is not None,  # any pointer when unused
+            CAUSAL=causal,
             **pdl.kernel_options(q),
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
@@ -213,13 +222,14 @@ class TritonPagedAttention:
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
                 k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None,
-                sinks: torch.Tensor | None = None):
+                sinks: torch.Tensor | None = None, causal: bool = True):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]
         group = q.shape[1] // hkv
         args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
-                                        sliding_window, k_scale, v_scale, logits_soft_cap, sinks)
+                                        sliding_window, k_scale, v_scale, logits_soft_cap, sinks,
+                                        causal)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
@@ -241,6 +251,7 @@ class TritonInvariantAttention(TritonPagedAttention):
     block a row cannot see changes nothing in it bit for bit (its weights are exp2(-inf)),
     so neither the tile's other rows nor where its walk ends make a difference. A decode
     pays for a 64-row tile holding one query's heads: the cost of the guarantee."""
+    supports_bidirectional = False  # its launches take no CAUSAL switch
 
     name = "triton_invariant"
     BLOCK_M = 64
@@ -253,7 +264,7 @@ class TritonInvariantAttention(TritonPagedAttention):
     def forward(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 alibi_slopes: torch.Tensor | None = None, sliding_window: int | None = None,
                 k_scale: float = 1.0, v_scale: float = 1.0, logits_soft_cap: float | None = None,
-                sinks: torch.Tensor | None = None):
+                sinks: torch.Tensor | None = None, causal: bool = True):
         cls.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(q)
         hkv = k.shape[1]

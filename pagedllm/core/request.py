@@ -44,6 +44,9 @@ class Request:
     # its whole prompt instead of taking blocks from the prefix cache (its own full blocks
     # are still cached for the requests after it).
     skip_prefix_cache: bool = False
+    # The whole prompt in one step, never in chunks (bidirectional embedding models: every
+    # token's state depends on every other token of the input).
+    whole_prompt: bool = False
     # A pooling request (an embedding): it reads its prompt, is pooled by the worker at the
     # prompt's last chunk, and ends there (max_tokens 0); it may fill the whole context.
     pooling: bool = False

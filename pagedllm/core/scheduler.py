@@ -266,6 +266,8 @@ class Scheduler:
                 if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
                     held_back.append(self.waiting.popleft())  # every slot is taken
                     continue
+                if req.whole_prompt and req.num_tokens > min(budget, prefill_left):
+                    break  # it waits for a step with room for all of it (in order)
                 hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit_tokens, budget, prefill_left)
                 if not self.kv.allocate_slots(req, n, hits):

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, bidirectional
 from pagedllm.core.block_manager import KVCacheManager
 from pagedllm.core.draft_proposer import DraftModelProposer
 from pagedllm.core.ngram_proposer import NgramProposer
@@ -46,6 +46,12 @@ def load_model_config(config: EngineConfig) -> tuple[EngineConfig, ModelSource, 
     source = resolve_source(config.model, config.load_format, config.revision,
                             config.download_dir)
     hf_config = load_hf_config(source)
+    for name, value in config.hf_overrides.items():  # as vLLM's hf_overrides: config attributes
+        setattr(hf_config, name, value)
+    if getattr(hf_config, "is_causal", True) is False and config.runner != "pooling":
+        # A bidirectional embedding checkpoint asked to generate: only causal attention can
+        # decode, so it is served causal (its embeddings then need --runner pooling).
+        hf_config.is_causal = True
     # Sliding-window layers (Mistral v0.1, Qwen2 with use_sliding_window) are masked by the
     # attention backends. GGUF configs get transformers' default window, not the file's,
     # so none is applied to them.
@@ -242,10 +248,11 @@ class EngineCore:
         chunk is pooled instead of sampled. Mean and CLS pooling need every position's
         hidden state, so those read the whole prompt rather than take cached blocks."""
         pp = request.pooling_params
+        whole = bidirectional(self.config, self.hf_config)  # read in one step, never cached
         self.scheduler.add_request(Request(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            max_tokens=0, skip_prefix_cache=pp.needs_every_position, pooling=True,
-            sampling_params=pp, arrival_time=request.arrival_time, allow_spec=False))
+            max_tokens=0, skip_prefix_cache=pp.needs_every_position or whole, whole_prompt=whole,
+            pooling=True, sampling_params=pp, arrival_time=request.arrival_time, allow_spec=False))
 
     def _admit_compiled(self) -> list[EngineCoreOutput]:
         """Queue the waiting sequences whose grammar has compiled; fail those whose compile

@@ -234,6 +234,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1} '
                    "(turns async scheduling off; default: off)")
 
+    e.add_argument("--hf-overrides", metavar="JSON",
+                   help='attributes set on the checkpoint\'s config before the model is built, '
+                   'as JSON, e.g. \'{"is_causal": false}\' (gte-Qwen2 embeddings, bidirectional)')
+
     lo = p.add_argument_group("LoRA adapters")
     lo.add_argument("--enable-lora", action="store_true", default=None,
                     help="serve PEFT LoRA adapters beside the base model; a request picks one "
@@ -366,7 +370,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",
              "generation_config", "speculative_config", "enable_lora", "max_loras",
-             "max_lora_rank", "max_cpu_loras", "runner"]
+             "max_lora_rank", "max_cpu_loras", "runner", "hf_overrides"]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.task is not None:
         runner = TASKS[args.task]

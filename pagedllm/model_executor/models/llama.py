@@ -91,7 +91,12 @@ class ModelShape:
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None) or None
         self.final_softcap = getattr(config, "final_logit_softcapping", None) or None
         if getattr(config, "use_bidirectional_attention", False):  # embedding models (EmbeddingGemma)
-            raise NotImplementedError("use_bidirectional_attention: pagedllm serves causal decoders only")
+            raise NotImplementedError("use_bidirectional_attention (EmbeddingGemma's windows seen both "
+                                      "ways): not supported; `is_causal: false` (gte-Qwen2) is")
+        # Bidirectional attention (every input token sees every other): embedding models that
+        # say `is_causal: false` (gte-Qwen2), served by the pooling runner, which reads each
+        # input whole in one step (load_model_config keeps other runners causal).
+        self.causal = getattr(config, "is_causal", True) is not False
         packed = quant is not None and not (quant.method == "fp8" and quant.checkpoint_format == "float")
         if spec.fused_checkpoint and packed:
             # packed qkv_proj / gate_up_proj split along their output columns, not rows: untested
@@ -162,6 +167,13 @@ class Attention(nn.Module):
         self.scale = s.attn_scale
         # Only passed when set, so backends without soft-capping keep their signature.
         self.extra = {"logits_soft_cap": s.attn_softcap} if s.attn_softcap else {}
+        if not s.causal:
+            if backend is not None and not getattr(backend, "supports_bidirectional", False):
+                raise NotImplementedError(f"bidirectional attention (is_causal: false) needs an "
+                                          f"attention backend with it; {backend.name!r} has none")
+            if window is not None:
+                raise NotImplementedError("bidirectional attention with a sliding window")
+            self.extra["causal"] = False
         if s.attn_softcap and backend is not None and not getattr(backend, "supports_softcap", False):
             raise NotImplementedError(f"attention logit soft-capping (Gemma 2) needs an attention "
                                       f"backend with it; {backend.name!r} has none")
