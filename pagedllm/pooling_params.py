@@ -14,12 +14,24 @@ import json
 import os
 from dataclasses import dataclass
 
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "MAX", "MEAN_SQRT_LEN")
 
 # sentence-transformers' 1_Pooling/config.json keys, by the pooling they select.
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-             "pooling_mode_cls_token": "CLS"}
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+             "pooling_mode_cls_token": "CLS", "pooling_mode_max_tokens": "MAX",
+             "pooling_mode_mean_sqrt_len_tokens": "MEAN_SQRT_LEN"}
+
+# sentence-transformers >= 6 writes `"pooling_mode": "<name>"` instead of the flags above.
+_ST_MODE_NAMES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS", "max": "MAX",
+                  "mean_sqrt_len_tokens": "MEAN_SQRT_LEN"}
+
+
+def _st_module(m, name: str) -> bool:
+    """Whether a modules.json entry is sentence-transformers' module `name` (Pooling, Dense,
+    Normalize), as `sentence_transformers.models.<name>` (most published checkpoints) or
+    by its newer class paths (`sentence_transformers.base.modules.dense.Dense`, ...)."""
+    kind = str(m.get("type", "")) if isinstance(m, dict) else ""
+    return kind.startswith("sentence_transformers.") and kind.rsplit(".", 1)[-1] == name
 
 
 @dataclass
@@ -40,7 +52,7 @@ class PoolingParams:
 
     @property
     def needs_every_position(self) -> bool:
-        """Mean and CLS pooling read positions a prefix-cache hit would skip."""
+        """Every pooling but the last token's reads positions a prefix-cache hit would skip."""
         return self.pooling_type != "LAST"
 
 
@@ -55,6 +67,9 @@ class PoolerConfig:
     # Matryoshka: None = the model declares none (a request's `dimensions` is refused);
     # an empty tuple = any size up to hidden_size; else only these sizes.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # sentence-transformers' Dense modules after the pooling (their folders, in order): the
+    # worker applies them (layers/pooler.py); the last one's width is the vector's.
+    dense: tuple[str, ...] = ()
 
     @classmethod
     def from_model(cls, model_path: str, hf_config) -> PoolerConfig:
@@ -70,18 +85,26 @@ class PoolerConfig:
         modules = _read_json(folder, "modules.json") if folder else None
         if not isinstance(modules, list):
             return config
-        pooling_dir = next((m.get("path") for m in modules if isinstance(m, dict)
-                            and str(m.get("type", "")).endswith("models.Pooling")), None)
-        config.normalize = any(isinstance(m, dict) and m.get("type") == _ST_NORMALIZE
-                               for m in modules)
+        pooling_dir = next((m.get("path") for m in modules if _st_module(m, "Pooling")), None)
+        config.normalize = any(_st_module(m, "Normalize") for m in modules)
+        config.dense = dense_folders(folder, modules)
+        if config.dense:
+            last = _read_json(config.dense[-1], "config.json") or {}
+            config.hidden_size = int(last.get("out_features", hidden or 0)) or hidden
         pooling = _read_json(folder, os.path.join(pooling_dir, "config.json")) if pooling_dir else None
         if isinstance(pooling, dict):
             chosen = [kind for key, kind in _ST_MODES.items() if pooling.get(key)]
-            others = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v
+            others = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v
                       and k not in _ST_MODES]
+            mode = pooling.get("pooling_mode")  # sentence-transformers >= 6: one key
+            if mode is not None:
+                modes = [mode] if isinstance(mode, str) else list(mode)
+                chosen += [_ST_MODE_NAMES[m] for m in modes if m in _ST_MODE_NAMES]
+                others += [m for m in modes if m not in _ST_MODE_NAMES]
             if len(chosen) != 1 or others:
                 raise ValueError("1_Pooling/config.json selects a pooling this engine does not "
-                                 "have: one of last token, mean or CLS is supported")
+                                 "have: exactly one of last token, mean, CLS, max or "
+                                 "mean-sqrt-len is supported")
             config.pooling_type = chosen[0]
         return config
 
@@ -99,6 +122,12 @@ class PoolerConfig:
                 raise ValueError(f"dimensions must be one of {list(m)} for this model, got "
                                  f"{dimensions}")
         return PoolingParams(self.pooling_type, self.normalize, dimensions)
+
+
+def dense_folders(folder: str, modules: list) -> tuple[str, ...]:
+    """The folders of sentence-transformers' Dense modules listed in `modules.json`, in
+    their order (each holds config.json and the layer's weights)."""
+    return tuple(os.path.join(folder, m.get("path", "")) for m in modules if _st_module(m, "Dense"))
 
 
 def _read_json(folder: str, name: str):

@@ -21,7 +21,8 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizers import gguf_tokenizer
 
 ST_MODES = {"MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token",
-            "LAST": "pooling_mode_lasttoken"}
+            "LAST": "pooling_mode_lasttoken", "MAX": "pooling_mode_max_tokens",
+            "MEAN_SQRT_LEN": "pooling_mode_mean_sqrt_len_tokens"}
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 3, "x",
          "paged attention keeps the cache in blocks of tokens, " * 2]
 BUDGET = 16  # tokens a step reads: the longer texts take several chunks
@@ -50,8 +51,7 @@ def with_pooling(base: str, dest: str, pooling: str, normalize: bool) -> str:
     with open(os.path.join(dest, "modules.json"), "w") as f:
         json.dump(modules, f)
     os.makedirs(os.path.join(dest, "1_Pooling"))
-    cfg = {"word_embedding_dimension": 64, **{m: False for m in ST_MODES.values()},
-           "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
+    cfg = {"word_embedding_dimension": 64, **{m: False for m in ST_MODES.values()}}
     cfg[ST_MODES[pooling]] = True
     with open(os.path.join(dest, "1_Pooling", "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -64,7 +64,8 @@ def make_llm(path: str, **kw) -> LLM:
 
 
 @pytest.mark.parametrize(("pooling", "normalize"),
-                         [("MEAN", True), ("CLS", False), ("LAST", True), ("MEAN", False)])
+                         [("MEAN", True), ("CLS", False), ("LAST", True), ("MEAN", False),
+                          ("MAX", False), ("MEAN_SQRT_LEN", True)])
 def test_matches_sentence_transformers(base_dir, tmp_path, pooling, normalize):
     st = pytest.importorskip("sentence_transformers")
     path = with_pooling(base_dir, str(tmp_path / "m"), pooling, normalize)
@@ -79,6 +80,29 @@ def test_matches_sentence_transformers(base_dir, tmp_path, pooling, normalize):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
+
+
+def test_dense_modules_match_sentence_transformers(base_dir, tmp_path):
+    """sentence-transformers' Dense modules after the pooling (64 -> 48 tanh, 48 -> 32 no
+    bias), then Normalize, saved by sentence-transformers itself: the same vectors, 32 wide,
+    with prompts read in chunks (max pooling across them)."""
+    st = pytest.importorskip("sentence_transformers")
+    path = with_pooling(base_dir, str(tmp_path / "m"), "MAX", False)
+    base = st.SentenceTransformer(path, device="cpu")
+    torch.manual_seed(0)
+    dense = [st.models.Dense(64, 48, activation_function=torch.nn.Tanh()),
+             st.models.Dense(48, 32, bias=False, activation_function=torch.nn.Identity())]
+    ref_model = st.SentenceTransformer(modules=[*base, *dense, st.models.Normalize()], device="cpu")
+    saved = str(tmp_path / "dense")
+    ref_model.save(saved)
+    ref = ref_model.encode(TEXTS, batch_size=len(TEXTS), convert_to_numpy=True)
+    llm = make_llm(saved)
+    assert llm.engine.processor.pooler_config.hidden_size == 32
+    got = np.array([o.outputs.embedding for o in llm.embed(TEXTS)])
+    assert got.shape == ref.shape == (len(TEXTS), 32)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    undensed = np.array([o.outputs.embedding for o in make_llm(path).embed(TEXTS)])
+    assert undensed.shape == (len(TEXTS), 64)  # the Dense layers did the narrowing
 
 
 def hf_last_token(model, ids: list[int]) -> np.ndarray:
@@ -369,3 +393,29 @@ def test_bidirectional_embedding_model(tmp_path):
                                hf_last_token(model, prompts[0]), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="hf_overrides"):
         LLM(model=causal_dir, hf_overrides="[1")
+
+
+@pytest.mark.parametrize(("pooling", "want"), [({"pooling_mode": "mean_sqrt_len_tokens"}, "MEAN_SQRT_LEN"),
+                                               ({"pooling_mode": ["max"]}, "MAX"),
+                                               ({"pooling_mode_cls_token": True}, "CLS"),
+                                               ({"pooling_mode": "weightedmean"}, None),
+                                               ({"pooling_mode": ["mean", "max"]}, None)])
+def test_pooling_config_spellings(tmp_path, pooling, want):
+    """1_Pooling/config.json as sentence-transformers >= 6 writes it (`pooling_mode`) and as
+    older releases did (`pooling_mode_*` flags), with its newer module class paths; a
+    pooling this engine lacks (weighted mean, two at once) is refused."""
+    from types import SimpleNamespace
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 64, **pooling}))
+    cfg = SimpleNamespace(hidden_size=64)
+    if want is None:
+        with pytest.raises(ValueError, match="selects a pooling"):
+            PoolerConfig.from_model(str(tmp_path), cfg)
+    else:
+        got = PoolerConfig.from_model(str(tmp_path), cfg)
+        assert (got.pooling_type, got.normalize) == (want, False)

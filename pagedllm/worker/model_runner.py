@@ -12,7 +12,9 @@ takes it from the device tensor step N sampled into (`_prev_tokens`).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +34,7 @@ from pagedllm.model_executor.layers.sampler import (
     prompt_logprobs,
 )
 from pagedllm.model_executor.loader import ModelSource, load_model
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import PoolingParams, dense_folders
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.lora_manager import LoRAManager
@@ -209,6 +211,16 @@ class LaunchedStep:
         return out
 
 
+def _dense_folders(path: str) -> tuple[str, ...]:
+    """The checkpoint's sentence-transformers Dense folders (none without modules.json)."""
+    modules = os.path.join(path, "modules.json") if os.path.isdir(path) else None
+    if modules is None or not os.path.isfile(modules):
+        return ()
+    with open(modules) as f:
+        listed = json.load(f)
+    return dense_folders(path, listed) if isinstance(listed, list) else ()
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
         if not config.resolved:
@@ -225,6 +237,8 @@ class ModelRunner:
         self.backend = get_attention_backend(self.device, self.batch_invariant)
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
                                 self.dtype, config.seed, config.quantization)
+        # sentence-transformers' Dense modules after the pooling (embedding checkpoints)
+        self.dense = pooler.load_dense(_dense_folders(source.path), self.device)
         # Multi-LoRA: adapter slots in the model's projections, filled as steps need them.
         self.lora = None
         # request id -> why its adapter did not load ("" once reported), until it ends
@@ -548,11 +562,19 @@ class ModelRunner:
         rows, segs = plan.rows()
         rows_t, segs_t = self._to_device(rows, segs)
         parts = pooler.partial_sums(hidden, rows_t, segs_t, len(plan.chunks))
+        is_max = [c.params.pooling_type == "MAX" for c in plan.chunks]
+        if any(is_max):
+            maxes = pooler.partial_maxes(hidden, rows_t, segs_t, len(plan.chunks))
+            (pick,) = self._to_device(np.asarray(is_max, dtype=np.bool_))
+            parts = torch.where(pick.unsqueeze(1), maxes, parts)
         done_idx: list[int] = []
         for i, (rid, c) in enumerate(zip(ids, plan.chunks, strict=True)):
             st = self.states[rid]
             if c.start > 0 and st.pool_partial is not None:
-                parts[i] += st.pool_partial
+                if is_max[i]:
+                    parts[i] = torch.maximum(parts[i], st.pool_partial)
+                else:
+                    parts[i] += st.pool_partial
             st.pool_partial = None if c.last else parts[i].clone()
             if c.last:
                 done_idx.append(i)
@@ -560,8 +582,9 @@ class ModelRunner:
             return [], []
         done = [plan.chunks[i] for i in done_idx]
         vectors = parts if len(done_idx) == len(ids) else parts[done_idx]
-        divisors = [c.num_prompt if c.params.pooling_type == "MEAN" else 1 for c in done]
-        return [ids[i] for i in done_idx], pooler.finish(vectors, [c.params for c in done], divisors)
+        divisors = [pooler.divisor(c.params, c.num_prompt) for c in done]
+        return [ids[i] for i in done_idx], pooler.finish(vectors, [c.params for c in done], divisors,
+                                                         self.dense)
 
     @torch.inference_mode()
     def sample_rows(self, logits: torch.Tensor, batch: SamplingBatch, valid: torch.Tensor,

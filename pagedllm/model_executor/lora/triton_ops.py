@@ -14,11 +14,14 @@ Also run under TRITON_INTERPRET=1 on the CPU, in float32, against the torch path
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.model_executor.lora.layers import LoRABatch
+if TYPE_CHECKING:  # layers.py imports this module when a step runs (no cycle)
+    from pagedllm.model_executor.lora.layers import LoRABatch
 
 
 @triton.jit
