@@ -155,9 +155,48 @@ def test_bad_requests(url: str, body: dict, status: int, words: str):
     assert words in r.json()["error"]["message"]
 
 
+def test_background_responses(client: openai.OpenAI, url: str):
+    """`background=True`: the create call returns at once (queued), GET shows the answer
+    when it ends (the same text as in the foreground), `cancel` stops a running one (its
+    engine request aborted, the server serving on); only background responses can be
+    cancelled, and a background response must be stored and not streamed."""
+    import time
+
+    ask = dict(input="Name a color.", instructions="Answer briefly.", **GREEDY)
+    queued = client.responses.create(background=True, **ask)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    for _ in range(1200):
+        got = client.responses.retrieve(queued.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    foreground = client.responses.create(**ask)
+    assert got.status == foreground.status and got.output_text == foreground.output_text
+    assert got.usage.output_tokens == foreground.usage.output_tokens
+    long = client.responses.create(input="Count from 1 to 500, one number per line.", model="smol",
+                                   temperature=0, max_output_tokens=900, background=True)
+    stopped = client.responses.cancel(long.id)
+    assert stopped.status == "cancelled" and stopped.output == []
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.create(**ask).output_text == foreground.output_text  # serving on
+    for _ in range(100):  # the cancelled request leaves the engine (the gauge is sampled)
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        running = [ln for ln in metrics.splitlines() if ln.startswith("pagedllm:num_requests_running")]
+        if running and float(running[0].split()[-1]) == 0:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"requests still running: {running}")
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(foreground.id)
+    for extra, words in (({"store": False}, "stored"), ({"stream": True}, "not streamed")):
+        r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "background": True, **extra}, timeout=60)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 def test_unknown_id_gets_openai_404(url: str):
-    for method in ("GET", "DELETE"):
-        r = httpx.request(method, f"{url}/v1/responses/resp_nope", timeout=10)
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
+        r = httpx.request(method, f"{url}/v1/responses/resp_nope{path}", timeout=10)
         assert r.status_code == 404
         assert r.json()["error"]["type"] == "invalid_request_error"
 

@@ -84,22 +84,30 @@ def test_streamed_text_never_shrinks_or_shows_stop(smol_llm):
     assert out.finished and out.outputs[0].finish_reason == "stop"
 
 
-def test_seeded_request_ignores_a_top_p_neighbour(smol_llm):
+@pytest.fixture(scope="module")
+def invariant_llm():
+    from pagedllm import LLM
+
+    return LLM(max_model_len=512, seed=0, batch_invariant=True)
+
+
+def test_seeded_request_ignores_a_top_p_neighbour(invariant_llm):
     """The report's case: sample 0 of a seeded n=2 request changed from token 7 on when a
-    neighbour used top-p (rows without top-p were cut where the float32 cumsum passed 1)."""
+    neighbour used top-p (rows without top-p were cut where the float32 cumsum passed 1).
+    In batch-invariant mode the logits are the same bits alone and beside the neighbours,
+    so only the sampler could make the tokens differ (in the default mode a batch of three
+    may round the logits differently, and a draw near a boundary then flips on some CPUs)."""
     sp = SamplingParams(temperature=0.8, seed=123, n=2, max_tokens=20, ignore_eos=True)
     prompt = "Tell me a story about a dragon."
-    alone = smol_llm.generate([prompt], sp)[0]
+    alone = invariant_llm.generate([prompt], sp)[0]
     other = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=30)
-    mixed = smol_llm.generate(["Hello, my name is", prompt, "The weather today is"],
-                              [other, sp, other])[1]
+    mixed = invariant_llm.generate(["Hello, my name is", prompt, "The weather today is"],
+                                   [other, sp, other])[1]
     assert [o.token_ids for o in mixed.outputs] == [o.token_ids for o in alone.outputs]
 
 
-def test_batch_invariant_real_model_logprobs_equal_alone_and_batched():
-    from pagedllm import LLM
-
-    llm = LLM(max_model_len=512, seed=0, batch_invariant=True)
+def test_batch_invariant_real_model_logprobs_equal_alone_and_batched(invariant_llm):
+    llm = invariant_llm
     sp = SamplingParams(temperature=0, max_tokens=10, logprobs=3, prompt_logprobs=2)
     prompts = ["Tell me a story about a dragon.", "Hello, my name is", "The weather today is",
                "Write a haiku about the sea."]

@@ -504,6 +504,10 @@ def build_app(engine: AsyncLLM, config: EngineConfig, api_key: str | None = None
     async def delete_response(response_id: str) -> dict:
         return responses.delete(response_id)
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        return await responses.cancel(response_id)
+
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
         return await _respond(request, embeddings.create(body), limits.request_timeout)

@@ -10,12 +10,20 @@ sequence: response.created, response.in_progress, the output items with their
 output_text (or function-call argument) deltas, and response.completed (or
 response.incomplete when max_output_tokens cut the answer).
 
-Not supported: built-in tools (web search, file search, computer use), background mode,
-reasoning items, and input that is not text (images, files); they are refused with a 400.
+Background mode (`background: true`, with `store`): the request is checked and queued on the
+engine, and the Response comes back at once with status `queued`; a task of the server
+reads the answer and stores it as it ends (`in_progress`, then `completed`, `incomplete`
+or `failed`), which `GET /v1/responses/{id}` shows. `POST /v1/responses/{id}/cancel` stops
+one that is still running (its engine request is aborted; status `cancelled`).
+
+Not supported: built-in tools (web search, file search, computer use), streaming a
+background response, reasoning items, and input that is not text (images, files); they
+are refused with a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -183,6 +191,7 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat, store: ResponseStore):
         self.chat = chat
         self.store = store
+        self._background: dict[str, asyncio.Task] = {}  # running background responses
 
     # ------------------------------------------------------------------ stored
     def get(self, response_id: str) -> dict:
@@ -192,14 +201,39 @@ class OpenAIServingResponses:
         return entry.response
 
     def delete(self, response_id: str) -> dict:
+        task = self._background.pop(response_id, None)  # a running one stops and stays gone
+        if task is not None:
+            task.cancel()
         if not self.store.delete(response_id):
             raise _not_found(response_id, None)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    async def cancel(self, response_id: str) -> dict:
+        """Stop a background response that is still running (status `cancelled`); one that
+        has ended is returned as it is. Only background responses can be cancelled."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise _not_found(response_id, None)
+        if not entry.response.get("background"):
+            raise APIError("only responses created with background=true can be cancelled", 400,
+                           "response_id")
+        task = self._background.get(response_id)
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        entry = self.store.get(response_id)
+        if entry is None:  # evicted meanwhile
+            raise _not_found(response_id, None)
+        return entry.response
+
     # ------------------------------------------------------------------ create
     async def create(self, req: ResponsesRequest) -> dict | AsyncIterator[str]:
         if req.background:
-            raise APIError("background responses are not supported", 400, "background")
+            if req.store is False:
+                raise APIError("background responses must be stored (store=true)", 400, "store")
+            if req.stream:
+                raise APIError("background responses are not streamed here: poll GET "
+                               "/v1/responses/{id}", 400, "stream")
         conversation: list[dict] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)
@@ -222,6 +256,13 @@ class OpenAIServingResponses:
             raise RequestValidationError(e.errors()) from None
         run = await self.chat.start(chat_req)
         response_id, created = _id("resp"), time.time()
+        if req.background:
+            head = self._object(req, response_id, created, "queued", [], None)
+            self.store.put(response_id, head, conversation)
+            task = asyncio.create_task(self._run_background(req, response_id, created, run, conversation))
+            self._background[response_id] = task
+            task.add_done_callback(lambda _t: self._background.pop(response_id, None))
+            return head
         if req.stream:
             return self._stream(req, response_id, created, run, conversation)
         final = None
@@ -230,6 +271,31 @@ class OpenAIServingResponses:
                 final = out
         items = self._items(final, run, _id("msg"))
         return self._finish(req, response_id, created, final, items, conversation)
+
+    async def _run_background(self, req: ResponsesRequest, response_id: str, created: float,
+                              run: ChatRun, conversation: list[dict]) -> None:
+        """Read a background response's answer and store each state it reaches."""
+        def mark(status: str, **fields) -> None:
+            if response_id in self._background:  # not deleted meanwhile
+                response = {**self._object(req, response_id, created, status, [], None), **fields}
+                self.store.put(response_id, response, conversation)
+
+        try:
+            final = None
+            async with aclosing(run.outputs):  # closing it aborts the engine request
+                async for _, out in run.outputs:
+                    if final is None:
+                        mark("in_progress")
+                    final = out
+            items = self._items(final, run, _id("msg"))
+            if response_id in self._background:
+                self._finish(req, response_id, created, final, items, conversation)
+        except asyncio.CancelledError:
+            mark("cancelled")
+        except Exception as e:  # the response fails; the server goes on
+            err = as_api_error(e)
+            body = err.body()["error"] if isinstance(err, APIError) else {"message": str(err)}
+            mark("failed", error={"code": body.get("code") or "server_error", "message": body["message"]})
 
     def _items(self, final: RequestOutput, run: ChatRun, message_id: str) -> list[dict]:
         """The answer's output items: its text as a message (unless it is only tool
@@ -278,6 +344,7 @@ class OpenAIServingResponses:
             "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto",
             "tools": req.tools or [], "store": req.store is not False, "truncation": "disabled",
             "usage": usage, "user": req.user, "metadata": req.metadata or {},
+            "background": bool(req.background),
         }
 
     async def _stream(self, req: ResponsesRequest, response_id: str, created: float,
