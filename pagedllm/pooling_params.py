@@ -81,17 +81,16 @@ class PoolerConfig:
         elif getattr(hf_config, "is_matryoshka", False):
             matryoshka = ()
         config = cls(hidden_size=hidden, matryoshka_dimensions=matryoshka)
-        folder = model_path if os.path.isdir(model_path) else None
-        modules = _read_json(folder, "modules.json") if folder else None
-        if not isinstance(modules, list):
+        modules = st_modules(model_path)
+        if modules is None:
             return config
         pooling_dir = next((m.get("path") for m in modules if _st_module(m, "Pooling")), None)
         config.normalize = any(_st_module(m, "Normalize") for m in modules)
-        config.dense = dense_folders(folder, modules)
+        config.dense = dense_folders(model_path, modules)
         if config.dense:
             last = _read_json(config.dense[-1], "config.json") or {}
             config.hidden_size = int(last.get("out_features", hidden or 0)) or hidden
-        pooling = _read_json(folder, os.path.join(pooling_dir, "config.json")) if pooling_dir else None
+        pooling = _read_json(model_path, os.path.join(pooling_dir, "config.json")) if pooling_dir else None
         if isinstance(pooling, dict):
             chosen = [kind for key, kind in _ST_MODES.items() if pooling.get(key)]
             others = [k for k, v in pooling.items() if k.startswith("pooling_mode_") and v
@@ -122,6 +121,15 @@ class PoolerConfig:
                 raise ValueError(f"dimensions must be one of {list(m)} for this model, got "
                                  f"{dimensions}")
         return PoolingParams(self.pooling_type, self.normalize, dimensions)
+
+
+def st_modules(model_path: str) -> list | None:
+    """The entries of a checkpoint folder's sentence-transformers `modules.json` (None
+    without one, or for a single-file checkpoint)."""
+    if not os.path.isdir(model_path):
+        return None
+    modules = _read_json(model_path, "modules.json")
+    return modules if isinstance(modules, list) else None
 
 
 def dense_folders(folder: str, modules: list) -> tuple[str, ...]:

@@ -12,9 +12,7 @@ takes it from the device tensor step N sampled into (`_prev_tokens`).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,7 +32,7 @@ from pagedllm.model_executor.layers.sampler import (
     prompt_logprobs,
 )
 from pagedllm.model_executor.loader import ModelSource, load_model
-from pagedllm.pooling_params import PoolingParams, dense_folders
+from pagedllm.pooling_params import PoolingParams, dense_folders, st_modules
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
 from pagedllm.worker.lora_manager import LoRAManager
@@ -211,16 +209,6 @@ class LaunchedStep:
         return out
 
 
-def _dense_folders(path: str) -> tuple[str, ...]:
-    """The checkpoint's sentence-transformers Dense folders (none without modules.json)."""
-    modules = os.path.join(path, "modules.json") if os.path.isdir(path) else None
-    if modules is None or not os.path.isfile(modules):
-        return ()
-    with open(modules) as f:
-        listed = json.load(f)
-    return dense_folders(path, listed) if isinstance(listed, list) else ()
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, hf_config, max_model_len: int):
         if not config.resolved:
@@ -238,7 +226,8 @@ class ModelRunner:
         self.model = load_model(source, hf_config, max_model_len, self.backend, self.device,
                                 self.dtype, config.seed, config.quantization)
         # sentence-transformers' Dense modules after the pooling (embedding checkpoints)
-        self.dense = pooler.load_dense(_dense_folders(source.path), self.device)
+        self.dense = pooler.load_dense(dense_folders(source.path, st_modules(source.path) or []),
+                                       self.device)
         # Multi-LoRA: adapter slots in the model's projections, filled as steps need them.
         self.lora = None
         # request id -> why its adapter did not load ("" once reported), until it ends

@@ -293,8 +293,7 @@ class OpenAIServingResponses:
         except asyncio.CancelledError:
             mark("cancelled")
         except Exception as e:  # the response fails; the server goes on
-            err = as_api_error(e)
-            body = err.body()["error"] if isinstance(err, APIError) else {"message": str(err)}
+            body = _error_body(e)
             mark("failed", error={"code": body.get("code") or "server_error", "message": body["message"]})
 
     def _items(self, final: RequestOutput, run: ChatRun, message_id: str) -> list[dict]:
@@ -405,8 +404,7 @@ class OpenAIServingResponses:
                     else "response.incomplete")
             yield event(kind, response=response)
         except Exception as e:  # the response has begun: the error is its last event
-            err = as_api_error(e)
-            body = err.body()["error"] if isinstance(err, APIError) else {"message": str(err)}
+            body = _error_body(e)
             yield event("error", code=body.get("code"), message=body["message"], param=None)
 
 
@@ -424,6 +422,13 @@ def _message_item(message_id: str, message: AssistantMessage, status: str) -> di
     return {"type": "message", "id": message_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": message.content or "",
                          "annotations": []}]}
+
+
+def _error_body(e: Exception) -> dict:
+    """OpenAI's error object (`message`, `code`, ...) for an exception raised after a
+    response began: a stream's last event, a background response's `error`."""
+    err = as_api_error(e)
+    return err.body()["error"] if isinstance(err, APIError) else {"message": str(err)}
 
 
 def _not_found(response_id: str, param: str | None) -> APIError:
