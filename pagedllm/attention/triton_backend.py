@@ -20,6 +20,8 @@ at its head's sink logit with a weight of one and no value: the sink joins the d
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -61,6 +63,55 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
+                  scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
+                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, WINDOW: tl.constexpr,
+                  CAUSAL: tl.constexpr, MASK: tl.constexpr):
+    """One block of BLOCK_N keys into the tile's online softmax. MASK off: every key of the
+    block exists and every row sees it (no bounds on the loads, no score select)."""
+    n = start + tl.arange(0, BLOCK_N)
+    if MASK:
+        n_ok = n < kv_end
+        page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + n // PAGE).to(tl.int64)
+    base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
+    if MASK:
+        k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    else:
+        k = tl.load(KC + base[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
+    if FP8:  # e4m3 pages, exact in the compute dtype; k_scale is in scale_log2
+        k = k.to(q.dtype)
+    s = _dot(q, k, IEEE) * scale_log2
+    if SOFTCAP:  # c * tanh(s / c) on the log2-scaled scores, c = cap * log2(e): the same
+        # as capping the natural ones; tanh(x) = 1 - 2 / (exp(2x) + 1), saturating to +-1
+        s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
+    if ALIBI:
+        s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
+    if MASK:
+        if CAUSAL:
+            visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        else:
+            visible = (n[None, :] < kv_end) & row_ok[:, None]
+        if WINDOW:
+            visible &= n[None, :] > qpos[:, None] - window
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(VC + base[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(VC + base[:, None] + d[None, :], mask=d_ok[None, :], other=0.0)
+    if FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes, Sinks,
     scale_log2, v_scale, window, softcap_log2,
@@ -70,7 +121,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-    CAUSAL: tl.constexpr = True,
+    CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -107,7 +158,8 @@ def _paged_attention_kernel(
     q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    if ALIBI:  # per-row slope, in the log2 domain the scores live in
+    slope = 0.0  # per-row ALiBi slope, in the log2 domain the scores live in
+    if ALIBI:
         slope = tl.load(Slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
     if SINKS:  # the sink's score (log2 domain), weight exp2(0) = 1, value zero
         m_i = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -124,42 +176,45 @@ def _paged_attention_kernel(
     kv_start = 0
     if WINDOW:  # keys before the first one any row of the tile sees are skipped
         kv_start = tl.maximum(ctx - qlen + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(kv_start, kv_end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
-        page = tl.load(table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        base = page * stride_cb + (n % PAGE) * stride_cs + kvh * stride_ch
-        k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if FP8:  # e4m3 pages, exact in the compute dtype; k_scale is in scale_log2
-            k = k.to(Q.dtype.element_ty)
-        s = _dot(q, k, IEEE) * scale_log2
-        if SOFTCAP:  # c * tanh(s / c) on the log2-scaled scores, c = cap * log2(e): the same
-            # as capping the natural ones; tanh(x) = 1 - 2 / (exp(2x) + 1), saturating to +-1
-            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
-        if ALIBI:
-            s += slope[:, None] * (n[None, :] - qpos[:, None]).to(tl.float32)
+    # Key blocks every row of the tile sees whole (before the causal diagonal, inside the
+    # keys) need no mask: they run first, without the per-score compare and select; the
+    # blocks on the diagonal, past the keys or reaching into the window run masked.
+    full_end = kv_start
+    if SPLIT and not WINDOW:
         if CAUSAL:
-            visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+            full_end = tl.maximum((ctx - qlen + q0 + 1) // BLOCK_N * BLOCK_N, kv_start)
         else:
-            visible = (n[None, :] < kv_end) & row_ok[:, None]
-        if WINDOW:
-            visible &= n[None, :] > qpos[:, None] - window
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + base[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if FP8:
-            v = v.to(Q.dtype.element_ty)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+            full_end = kv_end // BLOCK_N * BLOCK_N
+    for start in range(kv_start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
+            scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
+            PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, False)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
+            scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
+            PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, True)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if FP8:  # the values were v / v_scale
         out = out * v_scale
     tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _prefill_setting(default_m: int, default: dict) -> tuple[int, dict]:
+    """The prefill tile (queries x heads per tile, keys per block, warps, stages): the
+    tuned default, or PAGEDLLM_PREFILL_LAUNCH="BLOCK_M,BLOCK_N,warps,stages" to try another
+    on a card (benchmarks/prefill_attn_bench.py prints the candidates)."""
+    raw = os.environ.get("PAGEDLLM_PREFILL_LAUNCH")
+    if not raw:
+        return default_m, default
+    try:
+        bm, bn, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_PREFILL_LAUNCH={raw!r}: expected BLOCK_M,BLOCK_N,warps,stages") from None
+    return bm, {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
 def _pow2(x: int) -> int:
@@ -173,10 +228,9 @@ class TritonPagedAttention:
     supports_sinks = True
     supports_bidirectional = True
     graph_safe = True  # nothing in a launch reads the host: decode steps can be captured
-    BLOCK_M_PREFILL = 64
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
     DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    PREFILL_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    BLOCK_M_PREFILL, PREFILL_LAUNCH = _prefill_setting(64, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
 
     @classmethod
     def tile_q(cls, group: int) -> int:
@@ -250,7 +304,9 @@ class TritonInvariantAttention(TritonPagedAttention):
     whatever tile. Keys are walked from position 0 in BLOCK_N steps either way, and a key
     block a row cannot see changes nothing in it bit for bit (its weights are exp2(-inf)),
     so neither the tile's other rows nor where its walk ends make a difference. A decode
-    pays for a 64-row tile holding one query's heads: the cost of the guarantee."""
+    pays for a 64-row tile holding one query's heads: the cost of the guarantee. Every
+    block runs masked (SPLIT off): whether a block falls before a tile's diagonal depends on
+    the tile, and the unmasked code may contract its floating-point operations otherwise."""
     supports_bidirectional = False  # its launches take no CAUSAL switch
 
     name = "triton_invariant"
@@ -270,7 +326,7 @@ class TritonInvariantAttention(TritonPagedAttention):
         hkv = k.shape[1]
         args, common = cls._launch_args(q, k_cache, v_cache, out, meta, scale, alibi_slopes,
                                         sliding_window, k_scale, v_scale, logits_soft_cap, sinks)
-        common.update(BLOCK_M=cls.BLOCK_M, **cls.PREFILL_LAUNCH)
+        common.update(BLOCK_M=cls.BLOCK_M, SPLIT=False, **cls.PREFILL_LAUNCH)
         slopes = q if alibi_slopes is None else alibi_slopes
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
