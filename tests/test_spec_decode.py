@@ -355,3 +355,29 @@ def test_structured_outputs_with_ngram_drafts(smol_llm, smol_spec):
         jsonschema.validate(json.loads(got.outputs[0].text), ROSTER)
     assert smol_spec.engine.stats().spec_num_accepted_tokens - before >= 5
     assert smol_spec.engine.core._grammars is not None and len(smol_spec.engine.core._grammars) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("asyn", [False, True], ids=["sync", "async"])
+def test_cuda_verify_steps_replay_their_graphs(tiny_models, asyn):
+    """On CUDA: steps that verify drafts replay their own CUDA graphs (each sequence's rows
+    right-aligned in k + 1, padding in front). Greedy tokens and logprobs equal the engine
+    without speculation (float32); seeded sampling equals the eager speculative engine."""
+    path, _ = tiny_models("llama")
+    kw = dict(model=path, skip_tokenizer_init=True, block_size=16, num_kv_blocks=256,
+              max_num_batched_tokens=64, enable_prefix_caching=True, seed=0, device="cuda", dtype="float32")
+    base = LLM(**kw)
+    spec = LLM(**kw, speculative_config=SPEC, async_scheduling=asyn)
+    eager = LLM(**kw, speculative_config=SPEC, enforce_eager=True)
+    graphs = spec.engine.executor.runner.verify_graphs
+    assert graphs is not None and eager.engine.executor.runner.verify_graphs is None
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+    assert tokens(got) == tokens(want)
+    for rw, rg in zip(want, got, strict=True):
+        for a, b in zip(rw.outputs[0].logprobs, rg.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert graphs.replays > 0 and spec.engine.stats().spec_num_accepted_tokens > 0
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True) for s in range(len(PROMPTS))]
+    assert tokens(spec.generate(PROMPTS, seeded)) == tokens(eager.generate(PROMPTS, seeded))

@@ -9,6 +9,10 @@ one key of block 0, and their logits are ignored.
 
 With LoRA the graphs hold the adapter kernels too: they read each row's slot from the
 LoRABatch's persistent buffer, refreshed before each replay (padding rows use none).
+
+Steps that verify speculative drafts have their own graphs (VerifyGraphs): every
+sequence takes k + 1 rows, its last token and up to k drafts, right-aligned so that the
+rows of a sequence with fewer drafts are padding in front of its real ones.
 """
 
 from __future__ import annotations
@@ -27,6 +31,69 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+class _GraphInputs:
+    """The graphs' inputs: named int32 fields of one persistent device buffer, each 64-byte
+    aligned so every captured size uses the same kernel specialisation, refreshed by one
+    copy from one of two pinned host buffers. The two are used in turn: with async
+    scheduling the next step is laid out while the previous copy may still be queued, so a
+    buffer is only rewritten once the event recorded after its own copy has passed."""
+
+    def __init__(self, lengths: dict[str, int], device: torch.device):
+        self._off: dict[str, int] = {}
+        n = 0
+        for name, length in lengths.items():
+            self._off[name] = n
+            n += -(-length // 16) * 16
+        self._hosts = [torch.zeros(n, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self.dev = torch.zeros(n, dtype=torch.int32, device=device)
+
+    def field(self, name: str, size: int, buf: torch.Tensor | np.ndarray | None = None):
+        buf = self.dev if buf is None else buf
+        start = self._off[name]
+        return buf[start : start + size]
+
+    def hosts(self) -> list[np.ndarray]:
+        return [h.numpy() for h in self._hosts]
+
+    def next_host(self) -> np.ndarray:
+        """The host buffer to lay out the next step in (once its last copy has passed)."""
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        return self._hosts[self._turn].numpy()
+
+    def upload(self) -> None:
+        """Copy the buffer just laid out to the device, behind the queued work."""
+        self.dev.copy_(self._hosts[self._turn], non_blocking=True)
+        done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
+        done.record()
+
+
+def _capture(sizes: list[int], device: torch.device, forward: Callable[[int], torch.Tensor],
+             before: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+    """One graph of `forward(size)` per size, largest first so that the smaller ones reuse
+    its memory pool; each size runs twice outside the capture to compile its kernels and
+    settle allocations."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    pool = None
+    for size in reversed(sizes):
+        if before is not None:
+            before(size)
+        for _ in range(2):
+            forward(size)
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            outputs[size] = forward(size)
+        pool = g.pool()
+        graphs[size] = g
+    torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
                  lora=None):
@@ -34,66 +101,42 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.max_batch = b = self.sizes[-1]
         self.width = w = max_blocks
-        # Field offsets in the packed buffer: ids, positions, slots, q_start, q_len, ctx, tables;
-        # each 64-byte aligned so every captured size uses the same kernel specialisation.
-        stride = -(-b // 16) * 16
-        self._off = {name: i * stride for i, name in enumerate(("ids", "pos", "slots", "q_start", "q_len", "ctx"))}
-        self._off["tables"] = 6 * stride
-        n = 6 * stride + b * w
-        # Two pinned host buffers used in turn: with async scheduling the next step is laid
-        # out while the previous copy may still be queued, so a buffer is only rewritten
-        # once the event recorded after its own copy has passed.
-        self._hosts = [torch.zeros(n, dtype=torch.int32).pin_memory() for _ in range(2)]
-        self._copied = [None, None]
-        self._turn = 0
-        self.dev = torch.zeros(n, dtype=torch.int32, device=device)
-        for host_t in self._hosts:
-            h = host_t.numpy()
-            h[self._off["q_start"] : self._off["q_start"] + b] = np.arange(b)
-            h[self._off["q_len"] : self._off["q_len"] + b] = 1
+        self.inputs = _GraphInputs({"ids": b, "pos": b, "slots": b, "q_start": b, "q_len": b,
+                                    "ctx": b, "tables": b * w}, device)
+        for h in self.inputs.hosts():
+            self.inputs.field("q_start", b, h)[:] = np.arange(b)
+            self.inputs.field("q_len", b, h)[:] = 1
             self._reset_padding(h, 0)
-        self.dev.copy_(self._hosts[0])
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        pool = None
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
-            meta = self._meta(size)
-            ids, pos = self._field("ids", size), self._field("pos", size)
+        self.inputs.upload()
+
+        def before(size: int) -> None:
             if lora is not None:  # captured with the adapter kernels in (no row uses one yet)
                 lora.bind(size)
                 lora.active = True
-            for _ in range(2):  # compile kernels and settle allocations outside the capture
-                model.compute_logits(model(ids, pos, kv_caches, meta))
-            torch.cuda.synchronize(device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.logits[size] = model.compute_logits(model(ids, pos, kv_caches, meta))
-            pool = g.pool()
-            self.graphs[size] = g
-        torch.cuda.synchronize(device)
+
+        def forward(size: int) -> torch.Tensor:
+            ids, pos = self.inputs.field("ids", size), self.inputs.field("pos", size)
+            return model.compute_logits(model(ids, pos, kv_caches, self._meta(size)))
+
+        self.graphs, self.logits = _capture(self.sizes, device, forward, before)
         if lora is not None:
             lora.active = False
 
-    def _field(self, name: str, size: int, buf: torch.Tensor | np.ndarray | None = None):
-        buf = self.dev if buf is None else buf
-        start = self._off[name]
-        return buf[start : start + size]
-
     def _tables(self, buf=None):
-        buf = self.dev if buf is None else buf
-        return buf[self._off["tables"] :].reshape(self.max_batch, self.width)
+        return self.inputs.field("tables", self.max_batch * self.width, buf).reshape(self.max_batch, self.width)
 
     def _meta(self, size: int) -> AttentionMetadata:
+        f = self.inputs.field
         return AttentionMetadata(
-            slot_mapping=self._field("slots", size), num_decode=size,
-            block_tables=self._tables()[:size], q_start=self._field("q_start", size),
-            q_len=self._field("q_len", size), ctx_len=self._field("ctx", size),
+            slot_mapping=f("slots", size), num_decode=size,
+            block_tables=self._tables()[:size], q_start=f("q_start", size),
+            q_len=f("q_len", size), ctx_len=f("ctx", size),
         )
 
     def _reset_padding(self, h: np.ndarray, start: int) -> None:
+        b = self.max_batch
         for name, value in (("ids", 0), ("pos", 0), ("slots", -1), ("ctx", 1)):
-            off = self._off[name]
-            h[off + start : off + self.max_batch] = value
+            self.inputs.field(name, b, h)[start:] = value
 
     def run(self, arrays: dict[str, np.ndarray],
             before_replay: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
@@ -105,22 +148,97 @@ class DecodeGraphs:
         if n > self.max_batch or tables.shape[1] > self.width:
             return None
         size = next(s for s in self.sizes if s >= n)
-        self._turn ^= 1
-        host_t = self._hosts[self._turn]
-        h = host_t.numpy()
-        if self._copied[self._turn] is not None:
-            self._copied[self._turn].synchronize()
+        h = self.inputs.next_host()
         for name, key in (("ids", "ids"), ("pos", "positions"), ("slots", "slots"), ("ctx", "ctx_len")):
-            off = self._off[name]
-            h[off : off + n] = arrays[key]
+            self.inputs.field(name, n, h)[:] = arrays[key]
         self._reset_padding(h, n)
         self._tables(h)[:n, : tables.shape[1]] = tables
-        self.dev.copy_(host_t, non_blocking=True)
-        done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
-        done.record()
+        self.inputs.upload()
         if before_replay is not None:
-            before_replay(self._field("ids", n))
+            before_replay(self.inputs.field("ids", n))
         if self.lora is not None:
             self.lora.set(arrays["lora_slots"], size)
         self.graphs[size].replay()
         return self.logits[size][:n]
+
+
+class VerifyGraphs:
+    """Graphs of the steps that verify speculative drafts (the batch gate keeps them to at
+    most `max_batch` sequences). Sequence i owns rows [i * q, (i + 1) * q), q = k + 1; its
+    m real rows (the last sampled token and m - 1 drafts) are the last m, and the rows in
+    front are padding: they write no KV (slot -1) and, sitting at earlier positions,
+    attend only to keys already cached (none before position 0), so the real rows see
+    exactly what they would eagerly. The launch is the prefill kernel's, over tiles fixed
+    per size. After a replay the logits are gathered back into the step's row order."""
+
+    def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
+                 rows_per_seq: int, tile_q: int):
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = b = self.sizes[-1]
+        self.q = q = rows_per_seq
+        self.width = w = max_blocks
+        self.inputs = _GraphInputs({"ids": b * q, "pos": b * q, "slots": b * q, "rows": b * q,
+                                    "q_start": b, "q_len": b, "ctx": b, "tables": b * w}, device)
+        for h in self.inputs.hosts():
+            self.inputs.field("q_start", b, h)[:] = np.arange(b) * q
+            self.inputs.field("q_len", b, h)[:] = q
+            self._reset(h, 0)
+        self.inputs.upload()
+        # The prefill tiles of a size-s batch are the first s * per_seq of the largest's.
+        self.tiles_per_seq = per_seq = -(-q // tile_q)
+        tiles = np.stack([np.repeat(np.arange(b), per_seq), np.tile(np.arange(per_seq) * tile_q, b)])
+        self.tiles = torch.as_tensor(tiles, dtype=torch.int32, device=device)
+        self.tile_q = tile_q
+
+        def forward(size: int) -> torch.Tensor:
+            rows = size * q
+            ids, pos = self.inputs.field("ids", rows), self.inputs.field("pos", rows)
+            return model.compute_logits(model(ids, pos, kv_caches, self._meta(size)))
+
+        self.graphs, self.logits = _capture(self.sizes, device, forward)
+        self.replays = 0  # steps served by a replay (tests and the step profiler read it)
+
+    def _tables(self, buf=None):
+        return self.inputs.field("tables", self.max_batch * self.width, buf).reshape(self.max_batch, self.width)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        f, rows, nt = self.inputs.field, size * self.q, size * self.tiles_per_seq
+        return AttentionMetadata(
+            slot_mapping=f("slots", rows), num_decode=0, block_tables=self._tables()[:size],
+            q_start=f("q_start", size), q_len=f("q_len", size), ctx_len=f("ctx", size),
+            prefill_tiles=self.tiles[:, :nt], num_prefill_tiles=nt, prefill_tile_q=self.tile_q,
+        )
+
+    def _reset(self, h: np.ndarray, start_seq: int) -> None:
+        """Every row padding (from `start_seq` on): token 0 at position 0, no KV written;
+        the padding sequences see one key of block 0."""
+        b, q = self.max_batch, self.q
+        for name, value in (("ids", 0), ("pos", 0), ("slots", -1)):
+            self.inputs.field(name, b * q, h)[start_seq * q :] = value
+        self.inputs.field("ctx", b, h)[start_seq:] = 1
+
+    def run(self, arrays: dict[str, np.ndarray]) -> torch.Tensor | None:
+        """Replay for a step whose sequences each compute their last token and at most
+        q - 1 drafts (no prompt rows); the logits of its rows, in the step's order. None
+        if the step does not fit."""
+        lens = arrays["q_len"]
+        n = len(lens)
+        tables = arrays["tables"]
+        if n > self.max_batch or tables.shape[1] > self.width or int(lens.max()) > self.q or "fill" in arrays:
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        total = int(lens.sum())
+        # Row j of sequence i goes to i * q + (q - len_i) + j.
+        dst = np.repeat(np.arange(n) * self.q + self.q - lens, lens) + (
+            np.arange(total) - np.repeat(arrays["q_start"], lens))
+        h = self.inputs.next_host()
+        self._reset(h, 0)
+        for name, key in (("ids", "ids"), ("pos", "positions"), ("slots", "slots")):
+            self.inputs.field(name, self.max_batch * self.q, h)[dst] = arrays[key]
+        self.inputs.field("rows", total, h)[:] = dst
+        self.inputs.field("ctx", n, h)[:] = arrays["ctx_len"]
+        self._tables(h)[:n, : tables.shape[1]] = tables
+        self.inputs.upload()
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.logits[size].index_select(0, self.inputs.field("rows", total))

@@ -20,7 +20,7 @@ import torch
 
 from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata, get_attention_backend
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_SPEC_MAX_BATCH, EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks
@@ -247,6 +247,7 @@ class ModelRunner:
         self.block_tables = BlockTables(-(-max_model_len // self.block_size))
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: its page_spec.parts
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists (CUDA only)
+        self.verify_graphs = None  # VerifyGraphs, for steps that verify drafts (speculation)
         # Tokens sampled by the latest launched step, on the device, and each request's row.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
@@ -311,13 +312,22 @@ class ModelRunner:
                 or not getattr(self.backend, "graph_safe", False)
                 or not getattr(self.model, "graph_safe", True)):  # a model's own attention may not be
             return
-        from pagedllm.worker.cuda_graphs import DecodeGraphs
+        from pagedllm.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
 
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        min(max_num_seqs, 256), max_blocks,
                                        self.lora.batch if self.lora is not None else None)
+            spec = self.config.speculative_config
+            # Verify steps with LoRA run eagerly (their graphs would need the adapter rows
+            # laid out as the padded sequences are).
+            if spec is not None and self.lora is None:
+                s = self.model.shape
+                self.verify_graphs = VerifyGraphs(
+                    self.model, self.kv_caches, self.device,
+                    min(max_num_seqs, spec.max_batch_size or DEFAULT_SPEC_MAX_BATCH["cuda"]), max_blocks,
+                    spec.num_speculative_tokens + 1, self.backend.tile_q(s.num_heads // s.num_kv_heads))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
@@ -503,6 +513,9 @@ class ModelRunner:
         graph_logits = None
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows and not pool_ids:
             graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
+        elif (self.verify_graphs is not None and spec_counts is not None and not plp_rows and not pool_ids
+              and all(c.sample and c.num_tokens == len(c.draft_token_ids) + 1 for c in chunks)):
+            graph_logits = self.verify_graphs.run(arrays)
         if graph_logits is None:
             if self.lora is not None:
                 self.lora.prepare(arrays["lora_slots"], len(arrays["lora_slots"]))
