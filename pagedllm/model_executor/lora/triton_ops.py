@@ -46,7 +46,7 @@ def _tile(pid, tile_slot_ptr, tile_m_ptr, tok_ptr, cnt_ptr, start_ptr, N, N_TILE
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_ptr, tile_m_ptr,
-                   N, K, K_PER, sxm, sxk, sal, san, sak, shm, shn,
+                   N, K, K_PER, sxm, sxk, sal, san, sak, shs, shm, shn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
@@ -69,18 +69,17 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
             acc += tl.dot(xt, at, input_precision="ieee")
         else:
             acc += tl.dot(xt, at)
-    h_ptrs = h_ptr + rows[:, None] * shm + offs_n[None, :] * shn
-    if SPLIT_K == 1:
-        tl.store(h_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
-    else:  # partial sums over K slices (h starts at zero)
-        tl.atomic_add(h_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    # Each K slice stores its partial sum in its own plane of h (the expand adds them up):
+    # no zeroed buffer to launch a fill for, no atomics.
+    h_ptrs = h_ptr + pid_k * shs + rows[:, None] * shm + offs_n[None, :] * shn
+    tl.store(h_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_ptr, tile_m_ptr,
-                   N, K, shm, shk, sbl, sbn, sbk, sym, syn,
+                   N, K, shs, shm, shk, sbl, sbn, sbk, sym, syn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   SPLITS: tl.constexpr, IEEE: tl.constexpr):
     slot, rows, m_mask, offs_n, n_mask = _tile(tl.program_id(0), tile_slot_ptr, tile_m_ptr, tok_ptr,
                                                cnt_ptr, start_ptr, N, N_TILES, BM, BN)
     if slot < 0:
@@ -90,8 +89,10 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         k_mask = offs_k < K
-        ht = tl.load(h_ptr + rows[:, None] * shm + offs_k[None, :] * shk,
-                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        h_ptrs = h_ptr + rows[:, None] * shm + offs_k[None, :] * shk
+        ht = tl.load(h_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        for split in range(1, SPLITS):  # the shrink's K slices, summed in order
+            ht += tl.load(h_ptrs + split * shs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         bt = tl.load(b_base + offs_n[None, :] * sbn + offs_k[:, None] * sbk,
                      mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if IEEE:
@@ -109,8 +110,9 @@ def _pow2(n: int, lo: int = 16, hi: int = 128) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    """h[t] = x[t] @ a[slot(t)].T for every listed token t of `batch` (bound to x's rows);
-    x [M, K], a [L, R, K] -> h [M, R] float32 (rows of unlisted tokens are left unset)."""
+    """h[:, t].sum(0) = x[t] @ a[slot(t)].T for every listed token t of `batch` (bound to
+    x's rows); x [M, K], a [L, R, K] -> h [S, M, R] float32: the partial sums of S slices
+    of K (rows of unlisted tokens are left unset). `lora_expand` adds the slices up."""
     m, k = x.shape
     _, r, _ = a.shape
     bm, bn, bk = batch.block_m, _pow2(r, hi=64), 64 if m > 256 else 128
@@ -118,26 +120,26 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     # programs too, so that a decode step's shrink fills the GPU.
     split_k = max(1, min(16, k // (4 * bk))) if m <= 256 else 1
     k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
-    h = (torch.zeros if split_k > 1 else torch.empty)((m, r), dtype=torch.float32, device=x.device)
+    h = torch.empty((split_k, m, r), dtype=torch.float32, device=x.device)
     n_tiles = triton.cdiv(r, bn)
     grid = (batch.tile_slot.numel() * n_tiles * split_k,)
     _shrink_kernel[grid](x, a, h, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
                          batch.tile_m, r, k, k_per, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
-                         a.stride(2), h.stride(0), h.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
-                         SPLIT_K=split_k, IEEE=x.dtype == torch.float32)
+                         a.stride(2), h.stride(0), h.stride(1), h.stride(2), BM=bm, BN=bn, BK=bk,
+                         N_TILES=n_tiles, SPLIT_K=split_k, IEEE=x.dtype == torch.float32)
     return h
 
 
 def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-    """y[t] += h[t] @ b[slot(t)].T for every listed token t of `batch`, in place; h [M, R]
-    float32, b [L, N, R], y [M, N]."""
-    _, r = h.shape
+    """y[t] += h[:, t].sum(0) @ b[slot(t)].T for every listed token t of `batch`, in place;
+    h [S, M, R] float32 (`lora_shrink`'s slices), b [L, N, R], y [M, N]."""
+    splits, _, r = h.shape
     _, n, _ = b.shape
     bm, bn, bk = batch.block_m, 128, _pow2(r, hi=64)
     n_tiles = triton.cdiv(n, bn)
     grid = (batch.tile_slot.numel() * n_tiles,)
     _expand_kernel[grid](h, b, y, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
-                         batch.tile_m, n, r, h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-                         b.stride(2), y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, N_TILES=n_tiles,
-                         IEEE=b.dtype == torch.float32)
+                         batch.tile_m, n, r, h.stride(0), h.stride(1), h.stride(2), b.stride(0),
+                         b.stride(1), b.stride(2), y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk,
+                         N_TILES=n_tiles, SPLITS=splits, IEEE=b.dtype == torch.float32)
     return y
