@@ -132,7 +132,7 @@ def main() -> None:
 
     # The Triton kernel at launch settings (queries x heads per tile, keys per block, warps, stages).
     settings = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-                (128, 128, 8, 2), (128, 32, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (256, 64, 8, 2)]
+                (128, 128, 8, 2), (128, 32, 4, 3)]
     saved = (TritonPagedAttention.BLOCK_M_PREFILL, dict(TritonPagedAttention.PREFILL_LAUNCH))
     last = chunks[-1]
     for bm, bn, warps, stages in settings:
