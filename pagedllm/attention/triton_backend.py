@@ -140,9 +140,11 @@ def _paged_attention_kernel(
     if DIRECT:  # decode launch: tile i is sequence i, query 0
         seq = pid
         q0 = 0
-    else:
-        seq = tl.load(tile_seq + pid)
-        q0 = tl.load(tile_q + pid)
+    else:  # tiles in reverse: a prompt's last tiles see the most keys, so they start first
+        # and the cheap early tiles fill the end of the launch instead of a long tail
+        tile = tl.num_programs(0) - 1 - pid
+        seq = tl.load(tile_seq + tile)
+        q0 = tl.load(tile_q + tile)
     ctx = tl.load(ctx_lens + seq)
     qlen = tl.load(q_lens + seq)
     qstart = tl.load(q_starts + seq)
