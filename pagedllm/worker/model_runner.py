@@ -320,9 +320,10 @@ class ModelRunner:
                                        min(max_num_seqs, 256), max_blocks,
                                        self.lora.batch if self.lora is not None else None)
             spec = self.config.speculative_config
-            # Verify steps with LoRA run eagerly (their graphs would need the adapter rows
-            # laid out as the padded sequences are).
-            if spec is not None and self.lora is None:
+            # Verify steps run the prefill path; they stay eager with LoRA (its rows would
+            # need the padded layout) and where a model lays prefills out from host lengths
+            # (multi-head latent attention).
+            if spec is not None and self.lora is None and getattr(self.model, "prefill_graph_safe", True):
                 s = self.model.shape
                 self.verify_graphs = VerifyGraphs(
                     self.model, self.kv_caches, self.device,

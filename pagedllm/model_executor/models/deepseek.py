@@ -228,6 +228,7 @@ class DeepseekForCausalLM(MoeForCausalLM):
         # Triton too and read nothing from the host: decode steps can be CUDA graphs. With
         # the torch one, decodes gather pages by host-known lengths: not capturable.
         self.graph_safe = bool(getattr(backend, "graph_safe", False))
+        self.prefill_graph_safe = False  # its prefill chunks are laid out from host lengths
         self.shape = s = MlaShape(config, architecture)
         rotary = RotaryEmbedding(config, s.qk_rope_head_dim, s.qk_rope_head_dim, max_positions,
                                  interleaved=s.rotary_interleaved)
