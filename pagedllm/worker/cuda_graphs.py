@@ -44,7 +44,8 @@ class _GraphInputs:
         for name, length in lengths.items():
             self._off[name] = n
             n += -(-length // 16) * 16
-        self._hosts = [torch.zeros(n, dtype=torch.int32).pin_memory() for _ in range(2)]
+        pinned = device.type == "cuda"  # (the CPU runs them only in the layout tests)
+        self._hosts = [torch.zeros(n, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
@@ -67,8 +68,9 @@ class _GraphInputs:
     def upload(self) -> None:
         """Copy the buffer just laid out to the device, behind the queued work."""
         self.dev.copy_(self._hosts[self._turn], non_blocking=True)
-        done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
-        done.record()
+        if self.dev.is_cuda:
+            done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
+            done.record()
 
 
 def _capture(sizes: list[int], device: torch.device, forward: Callable[[int], torch.Tensor],
