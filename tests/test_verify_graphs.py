@@ -30,19 +30,22 @@ def _replayed_capture(sizes, device, forward, before=None):
 
 
 @pytest.mark.skipif(DEV != "cpu", reason="the GPU test in test_spec_decode.py replays real graphs")
-def test_verify_layout_gives_the_eager_tokens(tiny_models, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verify_layout_gives_the_eager_tokens(tiny_models, monkeypatch, method):
+    """n-gram drafts (k = 4) and the target as its own draft model (k = 3)."""
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(cuda_graphs, "_capture", _replayed_capture)
     path, _ = tiny_models("llama")
     kw = dict(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=256,
               max_num_batched_tokens=24, enable_prefix_caching=True, seed=0, dtype="float32")
+    config = SPEC if method == "ngram" else {"model": path, "num_speculative_tokens": 3, "max_batch_size": 8}
     base = LLM(**kw)
-    spec = LLM(**kw, speculative_config=SPEC)
+    spec = LLM(**kw, speculative_config=config)
     runner = spec.engine.executor.runner
     s = runner.model.shape
     runner.verify_graphs = graphs = cuda_graphs.VerifyGraphs(
         runner.model, runner.kv_caches, runner.device, 8, -(-runner.max_model_len // runner.block_size),
-        SPEC["num_speculative_tokens"] + 1, runner.backend.tile_q(s.num_heads // s.num_kv_heads))
+        config["num_speculative_tokens"] + 1, runner.backend.tile_q(s.num_heads // s.num_kv_heads))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
     assert tokens(got) == tokens(want)
