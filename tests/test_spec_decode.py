@@ -128,15 +128,20 @@ def tokens(outs) -> list[list[list[int]]]:
     return [[list(o.token_ids) for o in r.outputs] for r in outs]
 
 
-def test_greedy_outputs_equal_the_target_and_drafts_are_accepted(pair):
-    base, spec = pair
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+def assert_same_greedy(want, got) -> None:
+    """The same tokens, and the same top logprobs at every position (within 1e-4)."""
     assert tokens(got) == tokens(want)
     for rw, rg in zip(want, got, strict=True):
         for a, b in zip(rw.outputs[0].logprobs, rg.outputs[0].logprobs, strict=True):
             assert a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
+def test_greedy_outputs_equal_the_target_and_drafts_are_accepted(pair):
+    base, spec = pair
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
+    assert_same_greedy(want, got)
     stats = spec.engine.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
@@ -373,11 +378,7 @@ def test_cuda_verify_steps_replay_their_graphs(tiny_models, asyn):
     assert graphs is not None and eager.engine.executor.runner.verify_graphs is None
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
-    assert tokens(got) == tokens(want)
-    for rw, rg in zip(want, got, strict=True):
-        for a, b in zip(rw.outputs[0].logprobs, rg.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys()
-            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert_same_greedy(want, got)
     assert graphs.replays > 0 and spec.engine.stats().spec_num_accepted_tokens > 0
     seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, ignore_eos=True) for s in range(len(PROMPTS))]
     assert tokens(spec.generate(PROMPTS, seeded)) == tokens(eager.generate(PROMPTS, seeded))

@@ -6,7 +6,7 @@ target as its own draft (every greedy draft accepted, up to near-tied logits).""
 from __future__ import annotations
 
 import pytest
-from test_spec_decode import PROMPTS, tokens
+from test_spec_decode import PROMPTS, assert_same_greedy, tokens
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
@@ -36,13 +36,10 @@ def test_own_draft_accepts_nearly_everything(models, base):
     spec = make(target, target, k=4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
     want, got = base.generate(PROMPTS, params), spec.generate(PROMPTS, params)
-    assert tokens(got) == tokens(want)
+    assert_same_greedy(want, got)
     s = spec.engine.stats()
     assert s.spec_num_draft_tokens >= 40
     assert s.spec_num_accepted_tokens >= 0.9 * s.spec_num_draft_tokens
-    for rw, rg in zip(want, got, strict=True):
-        for a, b in zip(rw.outputs[0].logprobs, rg.outputs[0].logprobs, strict=True):
-            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
 
 
