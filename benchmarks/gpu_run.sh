@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|check|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|prefill|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -16,8 +16,9 @@
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters).
-# check: GPU tests fixed since their last GPU run; embed: benchmarks/embed_bench.py;
-# models: gpu-oss-20b against HF, gpu-dsv2-lite.
+# prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
+# embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
+# HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
 set -uo pipefail
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -217,14 +218,19 @@ spec)
         --output-json "$OUT/gpu-7b-ngram.json" 2>&1 | tail -2
     summary "$OUT"/gpu-7b-nospec.json "$OUT"/gpu-7b-ngram.json
     ;;
-check)
-    # The GPU tests fixed after the 2026-12-05 runs without a GPU to rerun them: FP8 (the
-    # CPU tests now pin the CPU; the Triton quantizer's scale), gpt-oss against the CPU
-    # engine, the 32k HF reference, LoRA's tile table, bidirectional attention.
-    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_kv.py \
-        tests/test_triton_bidirectional.py 2>&1 | tail -8
-    timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_models_gpt_oss.py \
-        tests/test_long_context.py tests/test_lora.py tests/test_models_gemma_phi.py 2>&1 | tail -8
+prefill)
+    # Prefill attention alone (one 32k prompt in 8k chunks, one layer): the Triton kernel's
+    # settings against SDPA flash and, where .whl-fi holds flashinfer-python and its
+    # dependencies (carry it), FlashInfer's FA2 / FA3 paged prefill (compiled just in time
+    # on first use: minutes), then the engine's 32k TTFT with HF in the same run.
+    if compgen -G ".whl-fi/*.whl" >/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
+            >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+    fi
+    timeout "$(cap 420)" python3 benchmarks/prefill_attn_bench.py --json "$OUT/prefill-attn.json" 2>&1 \
+        | grep -v Warning | tail -16
+    timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
+        --backend both --repeats 3 --warmup 0 --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
     ;;
 embed)
     # Embedding throughput against sentence-transformers in the same run (target 3x).
@@ -234,7 +240,7 @@ models)
     # gpt-oss-20b's shape with MXFP4 experts against HF generate (target 5x), then the
     # DeepSeek-V2-Lite shape (latent pages: what the pool holds against full K/V).
     timeout "$(cap 330)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-oss-20b \
-        --backend both --output-json "$OUT/gpu-oss-20b.json" 2>&1 | tail -6
+        --backend both --num-prompts "${NUM_PROMPTS:-64}" --output-json "$OUT/gpu-oss-20b.json" 2>&1 | tail -6
     timeout "$(cap 240)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-dsv2-lite \
         --output-json "$OUT/gpu-dsv2-lite.json" 2>&1 | grep -i "kv\|pool\|tok/s" | tail -6
     summary "$OUT"/gpu-oss-20b.json "$OUT"/gpu-dsv2-lite.json

@@ -7,7 +7,8 @@ prompts, and what the gap to FlashAttention is.
 
 Each row: the time of every chunk's attention for one layer (the KV write included for
 the Triton kernel), and TFLOP/s over the causal products (4 * d * heads per visible
-query-key pair). The Triton output of the last chunk is checked against SDPA's.
+query-key pair). The last chunk's output is checked against SDPA's. FlashInfer's paged
+prefill (FA2 and FA3 backends) gets rows too where flashinfer-python is installed.
 """
 
 from __future__ import annotations
@@ -49,6 +50,43 @@ def _chunk_meta(table: torch.Tensor, page: int, start: int, end: int, tile_q: in
         num_prefill_tiles=int(q0.numel()), prefill_tile_q=tile_q)
 
 
+def _flashinfer_rows(add, q, kc, vc, table, page, chunks, hq, hkv, d, scale, ref, repeats) -> None:
+    """FlashInfer's paged prefill over the same pages (NHD: [pages, page, kv heads, dim], our
+    layout), its FA2 and FA3 (sm_90) backends, where flashinfer-python is installed. The
+    plans (host work once per step, shared by every layer) are made before the timing."""
+    try:
+        import flashinfer
+    except ImportError:
+        print("flashinfer: not installed")
+        return
+    dev = q.device
+    for backend in ("fa2", "fa3"):
+        try:
+            runs = []
+            for s, e in chunks:
+                pages = -(-e // page)
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD", backend=backend)
+                i32 = dict(dtype=torch.int32, device=dev)
+                w.plan(torch.tensor([0, e - s], **i32), torch.tensor([0, pages], **i32),
+                       table[0, :pages].contiguous(), torch.tensor([e - (pages - 1) * page], **i32),
+                       hq, hkv, d, page, causal=True, sm_scale=scale, q_data_type=q.dtype,
+                       kv_data_type=kc.dtype)
+                runs.append((w, s, e))
+
+            def run(runs=runs) -> torch.Tensor:
+                out = None
+                for w, s, e in runs:
+                    out = w.run(q[s:e], (kc, vc))
+                return out
+
+            out = run()
+            err = None if ref is None else (out.float() - ref).abs().max().item()
+            add(f"flashinfer {flashinfer.__version__} {backend}", _time(run, repeats), err)
+        except Exception as e:  # a backend this card or build lacks
+            print(f"flashinfer {backend}: {type(e).__name__}: {str(e)[:200]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ctx", type=int, default=32768)
@@ -75,6 +113,8 @@ def main() -> None:
     kc = torch.zeros(blocks + 8, page, hkv, d, device=dev, dtype=dt)
     vc = torch.zeros_like(kc)
     scale = d ** -0.5
+    pos = torch.arange(n, device=dev)
+    TritonPagedAttention.write_kv(k, v, kc, vc, table[0, pos // page].long() * page + pos % page)
     chunks = [(s, min(s + args.chunk, n)) for s in range(0, n, args.chunk)]
     pairs = sum((e * (e + 1) - s * (s + 1)) // 2 for s, e in chunks)
     flops = 4 * d * hq * pairs
@@ -157,6 +197,8 @@ def main() -> None:
         except Exception as e:  # too many registers / shared memory for this card
             print(f"{name}: {type(e).__name__}: {str(e)[:120]}")
     TritonPagedAttention.BLOCK_M_PREFILL, TritonPagedAttention.PREFILL_LAUNCH = saved
+    _flashinfer_rows(add, q, kc, vc, table, page, chunks, hq, hkv, d, scale,
+                     None if ref is None else ref[: last[1] - last[0]], args.repeats)
     ok = [r for r in rows if r["setting"] and r["max_abs_err_vs_sdpa"] is not None and r["max_abs_err_vs_sdpa"] < 0.05]
     if ok:
         best = min(ok, key=lambda r: r["ms"])
