@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|prefill|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|prefill|profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -17,6 +17,7 @@
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters).
 # prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
+# profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
 set -uo pipefail
@@ -231,6 +232,14 @@ prefill)
         | grep -v Warning | tail -16
     timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
         --backend both --repeats 3 --warmup 0 --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
+    ;;
+profile)
+    # Device time by kernel: one 32k prompt (what TTFT spends beside attention), then an
+    # embedding batch of 2,048 x 256 (where the 3x against sentence-transformers goes).
+    timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-long-ttft \
+        --json "$OUT/profile-long-ttft.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
+    timeout "$(cap 300)" python3 benchmarks/profile_kernels.py --embed \
+        --json "$OUT/profile-embed.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
     ;;
 embed)
     # Embedding throughput against sentence-transformers in the same run (target 3x).
