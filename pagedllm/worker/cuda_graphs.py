@@ -96,13 +96,34 @@ def _capture(sizes: list[int], device: torch.device, forward: Callable[[int], to
     return graphs, outputs
 
 
-class DecodeGraphs:
+class _StepGraphs:
+    """What decode and verify graphs share: the captured batch sizes, the block tables in
+    their inputs, and which captured size a step fits."""
+
+    inputs: _GraphInputs
+
+    def __init__(self, max_batch: int, max_blocks: int):
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.width = max_blocks
+
+    def _tables(self, buf=None):
+        return self.inputs.field("tables", self.max_batch * self.width, buf).reshape(self.max_batch, self.width)
+
+    def _size_for(self, num_seqs: int, tables: np.ndarray) -> int | None:
+        """The smallest captured size holding `num_seqs` sequences; None if none does or
+        the block tables are wider than captured."""
+        if num_seqs > self.max_batch or tables.shape[1] > self.width:
+            return None
+        return next(s for s in self.sizes if s >= num_seqs)
+
+
+class DecodeGraphs(_StepGraphs):
     def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
                  lora=None):
+        super().__init__(max_batch, max_blocks)
         self.lora = lora  # a LoRABatch, or None
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = b = self.sizes[-1]
-        self.width = w = max_blocks
+        b, w = self.max_batch, self.width
         self.inputs = _GraphInputs({"ids": b, "pos": b, "slots": b, "q_start": b, "q_len": b,
                                     "ctx": b, "tables": b * w}, device)
         for h in self.inputs.hosts():
@@ -124,9 +145,6 @@ class DecodeGraphs:
         if lora is not None:
             lora.active = False
 
-    def _tables(self, buf=None):
-        return self.inputs.field("tables", self.max_batch * self.width, buf).reshape(self.max_batch, self.width)
-
     def _meta(self, size: int) -> AttentionMetadata:
         f = self.inputs.field
         return AttentionMetadata(
@@ -147,9 +165,9 @@ class DecodeGraphs:
         previous step sampled and the host has not read yet)."""
         n = len(arrays["ids"])
         tables = arrays["tables"]
-        if n > self.max_batch or tables.shape[1] > self.width:
+        size = self._size_for(n, tables)
+        if size is None:
             return None
-        size = next(s for s in self.sizes if s >= n)
         h = self.inputs.next_host()
         for name, key in (("ids", "ids"), ("pos", "positions"), ("slots", "slots"), ("ctx", "ctx_len")):
             self.inputs.field(name, n, h)[:] = arrays[key]
@@ -164,7 +182,7 @@ class DecodeGraphs:
         return self.logits[size][:n]
 
 
-class VerifyGraphs:
+class VerifyGraphs(_StepGraphs):
     """Graphs of the steps that verify speculative drafts (the batch gate keeps them to at
     most `max_batch` sequences). Sequence i owns rows [i * q, (i + 1) * q), q = k + 1; its
     m real rows (the last sampled token and m - 1 drafts) are the last m, and the rows in
@@ -175,10 +193,9 @@ class VerifyGraphs:
 
     def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
                  rows_per_seq: int, tile_q: int):
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = b = self.sizes[-1]
+        super().__init__(max_batch, max_blocks)
+        b, w = self.max_batch, self.width
         self.q = q = rows_per_seq
-        self.width = w = max_blocks
         self.inputs = _GraphInputs({"ids": b * q, "pos": b * q, "slots": b * q, "rows": b * q,
                                     "q_start": b, "q_len": b, "ctx": b, "tables": b * w}, device)
         for h in self.inputs.hosts():
@@ -198,10 +215,7 @@ class VerifyGraphs:
             return model.compute_logits(model(ids, pos, kv_caches, self._meta(size)))
 
         self.graphs, self.logits = _capture(self.sizes, device, forward)
-        self.replays = 0  # steps served by a replay (tests and the step profiler read it)
-
-    def _tables(self, buf=None):
-        return self.inputs.field("tables", self.max_batch * self.width, buf).reshape(self.max_batch, self.width)
+        self.replays = 0  # steps served by a replay (the tests check that some were)
 
     def _meta(self, size: int) -> AttentionMetadata:
         f, rows, nt = self.inputs.field, size * self.q, size * self.tiles_per_seq
@@ -226,9 +240,9 @@ class VerifyGraphs:
         lens = arrays["q_len"]
         n = len(lens)
         tables = arrays["tables"]
-        if n > self.max_batch or tables.shape[1] > self.width or int(lens.max()) > self.q or "fill" in arrays:
+        size = self._size_for(n, tables)
+        if size is None or int(lens.max()) > self.q or "fill" in arrays:
             return None
-        size = next(s for s in self.sizes if s >= n)
         total = int(lens.sum())
         # Row j of sequence i goes to i * q + (q - len_i) + j.
         dst = np.repeat(np.arange(n) * self.q + self.q - lens, lens) + (

@@ -20,7 +20,7 @@ import torch
 
 from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata, get_attention_backend
-from pagedllm.config import DEFAULT_SPEC_MAX_BATCH, EngineConfig
+from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks
@@ -327,7 +327,7 @@ class ModelRunner:
                 s = self.model.shape
                 self.verify_graphs = VerifyGraphs(
                     self.model, self.kv_caches, self.device,
-                    min(max_num_seqs, spec.max_batch_size or DEFAULT_SPEC_MAX_BATCH["cuda"]), max_blocks,
+                    min(max_num_seqs, spec.max_batch_size), max_blocks,  # resolve() set the gate
                     spec.num_speculative_tokens + 1, self.backend.tile_q(s.num_heads // s.num_kv_heads))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -564,12 +564,16 @@ class ModelRunner:
         position 0 begins afresh: a preempted request reads its prompt again."""
         rows, segs = plan.rows()
         rows_t, segs_t = self._to_device(rows, segs)
-        parts = pooler.partial_sums(hidden, rows_t, segs_t, len(plan.chunks))
         is_max = [c.params.pooling_type == "MAX" for c in plan.chunks]
+        # Sums for the other poolings, maxima for MAX: each reduction only if a chunk needs it.
+        parts = None if all(is_max) else pooler.partial_sums(hidden, rows_t, segs_t, len(plan.chunks))
         if any(is_max):
             maxes = pooler.partial_maxes(hidden, rows_t, segs_t, len(plan.chunks))
-            (pick,) = self._to_device(np.asarray(is_max, dtype=np.bool_))
-            parts = torch.where(pick.unsqueeze(1), maxes, parts)
+            if parts is None:
+                parts = maxes
+            else:
+                (pick,) = self._to_device(np.asarray(is_max, dtype=np.bool_))
+                parts = torch.where(pick.unsqueeze(1), maxes, parts)
         done_idx: list[int] = []
         for i, (rid, c) in enumerate(zip(ids, plan.chunks, strict=True)):
             st = self.states[rid]
