@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|prefill|profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|prefill|profile|eager|attn|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -18,6 +18,8 @@
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters).
 # prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
 # profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
+# attn: benchmarks/attn_decode_bench.py (decode attention over bf16 / fp8 pages);
+# eager: benchmarks/eager_host_cost.py (host microseconds per piece of an eager MoE step);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
 set -uo pipefail
@@ -183,6 +185,11 @@ fp8)
     done
     summary "$OUT"/gpu-7b-*.json
     ;;
+attn)
+    # Decode attention alone over bf16 and fp8 pages (fp16 / bf16 products), launch settings.
+    timeout "$(cap 300)" python3 benchmarks/attn_decode_bench.py --json "$OUT/attn-decode.json" 2>&1 \
+        | grep -v Warning | tail -80
+    ;;
 fp8-kv)
     # The KV-bound workload: 512 x (2,048 in, 512 out) on the 7B shape, bf16 vs FP8 pages.
     for kv in auto fp8; do
@@ -240,6 +247,12 @@ profile)
         --json "$OUT/profile-long-ttft.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
     timeout "$(cap 300)" python3 benchmarks/profile_kernels.py --embed \
         --json "$OUT/profile-embed.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
+    ;;
+eager)
+    # What an eager decode step costs the host, piece by piece (MoE at batch 64, 8 layers),
+    # against the eager and CUDA-graph steps of the same engine.
+    timeout "$(cap 300)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers 8 --batch 64 \
+        --json "$OUT/eager-host-cost.json" 2>&1 | grep -v "Warning\|transformers" | tail -24
     ;;
 embed)
     # Embedding throughput against sentence-transformers in the same run (target 3x).

@@ -35,7 +35,8 @@ def _generate_run(args):
     if args.num_hidden_layers:
         config["num_hidden_layers"] = args.num_hidden_layers
     llm = LLM(model=write_arch_config(config), load_format="dummy", dtype=w.dtype,
-              skip_tokenizer_init=True, device=args.device)
+              skip_tokenizer_init=True, device=args.device,
+              enable_prefix_caching=False)  # the profiled run must recompute the prompt
     vocab = llm.engine.executor.vocab_size
     num = args.num_prompts or w.num_prompts
     lo, hi = w.input_range

@@ -38,6 +38,28 @@ def test_rms_norm_with_and_without_residual(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_head_norm_reads_a_strided_view(dtype, tokens):
+    """Per-head q / k norms (Qwen3) on the heads' view inside a fused qkv output: the
+    kernel reads the strides (no copy) and takes several rows a program, including a
+    last program with fewer rows than it holds."""
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv, dim = 6, 2, 128
+    qkv = torch.randn(tokens, (heads + 2 * kv) * dim, generator=g).to(DEV, dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv) * dim].view(tokens, kv, dim)
+    assert tokens == 1 or not q.is_contiguous()
+    w = torch.randn(dim, generator=g).to(DEV, dtype)
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    before = qkv.clone()
+    for x in (q, k):
+        got = fused_ops.rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape
+        torch.testing.assert_close(got, _ref_rms(x.contiguous(), w, 1e-6)[0], **tol)
+    assert torch.equal(qkv, before)  # read only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [64, 2304])
 def test_gemma_rms_norm_matches_transformers(dtype, n):
     """Gemma's (1 + w) norm, scaled in float32 before the cast, as transformers' Gemma2RMSNorm."""

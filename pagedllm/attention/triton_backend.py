@@ -81,7 +81,7 @@ def _attend_block(q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, 
         k = tl.load(KC + base[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     else:
         k = tl.load(KC + base[None, :] + d[:, None], mask=d_ok[:, None], other=0.0)
-    if FP8:  # e4m3 pages, exact in the compute dtype; k_scale is in scale_log2
+    if FP8:  # e4m3 pages, exact in the compute dtype (q's); k_scale is in scale_log2
         k = k.to(q.dtype)
     s = _dot(q, k, IEEE) * scale_log2
     if SOFTCAP:  # c * tanh(s / c) on the log2-scaled scores, c = cap * log2(e): the same
@@ -121,7 +121,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
-    CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True,
+    CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True, FP8_F16: tl.constexpr = False,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -159,6 +159,8 @@ def _paged_attention_kernel(
     rows = (qstart + qi).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8_F16:  # fp8 pages: products in fp16, see TritonPagedAttention.FP8_COMPUTE
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     slope = 0.0  # per-row ALiBi slope, in the log2 domain the scores live in
     if ALIBI:
@@ -232,6 +234,16 @@ class TritonPagedAttention:
     graph_safe = True  # nothing in a launch reads the host: decode steps can be captured
     # Launch settings (keys per iteration, warps, pipeline stages), tuned on an H200.
     DECODE_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    # What a kernel over fp8 pages multiplies in when the model runs in bf16/fp16: "fp16"
+    # (queries, keys, values and probabilities in fp16, fp32 sums) or the model's dtype.
+    # On SM89+ e4m3 -> fp16 is one instruction a pair of values, e4m3 -> bf16 goes through
+    # fp16 and takes three, and the conversion is per key read (decode is bandwidth-bound:
+    # the pages' bytes halve only if converting them costs less than the bytes saved).
+    # Queries are clamped to fp16's range (+-65504) first; every e4m3 value is exact in fp16.
+    FP8_COMPUTE = "fp16"
+    # Over fp8 pages a key block of 128 is fastest (H100, benchmarks/attn_decode_bench.py:
+    # 450 us against 461 at 64, for 256 x 512 keys on the Llama-2-7B shape; bf16 pages: 720).
+    DECODE_LAUNCH_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
     BLOCK_M_PREFILL, PREFILL_LAUNCH = _prefill_setting(64, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
 
     @classmethod
@@ -269,6 +281,7 @@ class TritonPagedAttention:
             ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
             Sinks=q if sinks is None else sinks, SINKS=sinks is not None,  # any pointer when unused
             CAUSAL=causal,
+            FP8_F16=fp8 and q.dtype != torch.float32 and TritonPagedAttention.FP8_COMPUTE == "fp16",
             **pdl.kernel_options(q),
         )
         args = (q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.q_len, meta.ctx_len)
@@ -290,7 +303,8 @@ class TritonPagedAttention:
         if meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
                 *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=max(16, _pow2(group)),
-                DIRECT=True, **common, **cls.DECODE_LAUNCH)
+                DIRECT=True, **common,
+                **(cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH))
         if meta.num_prefill_tiles:
             tq = meta.prefill_tile_q
             _paged_attention_kernel[(meta.num_prefill_tiles, hkv)](

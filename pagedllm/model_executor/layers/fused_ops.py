@@ -32,29 +32,34 @@ if triton is not None:
     from pagedllm.pdl import launch_dependents, wait
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, stride_x, stride_r, stride_y, eps, N: tl.constexpr,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, GEMMA: tl.constexpr,
-                         PDL: tl.constexpr):
+    def _rms_norm_kernel(X, R, W, Y, rows, H, stride_xt, stride_xh, stride_rt, stride_rh, stride_y, eps,
+                         N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                         HAS_RES: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr):
+        """ROWS rows a program; row r is x[r // H, r % H] of an [T, H, N] view with any
+        strides (a head's q / k inside the fused qkv output needs no copy)."""
         if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
             tok = wait()
             X += tok
             R += tok
             launch_dependents()
-        row = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        t = r // H
+        h = r % H
         offs = tl.arange(0, BLOCK)
-        mask = offs < N
-        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+        mask = (r < rows)[:, None] & (offs < N)[None, :]
+        x = tl.load(X + (t * stride_xt + h * stride_xh)[:, None] + offs[None, :], mask=mask, other=0.0)
         if HAS_RES:
-            x = x + tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
-            tl.store(R + row * stride_r + offs, x, mask=mask)  # the new residual, in place
+            rp = R + (t * stride_rt + h * stride_rh)[:, None] + offs[None, :]
+            x = x + tl.load(rp, mask=mask, other=0.0)
+            tl.store(rp, x, mask=mask)  # the new residual, in place
         xf = x.to(tl.float32)
-        var = tl.sum(xf * xf, axis=0) / N
-        w = tl.load(W + offs, mask=mask, other=0.0)
+        inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)[:, None]
+        w = tl.load(W + offs, mask=offs < N, other=0.0)[None, :]
         if GEMMA:  # (1 + w) in float32, one rounding at the end (norm.py)
-            y = xf * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
+            y = xf * inv * (1.0 + w.to(tl.float32))
         else:
-            y = w * (xf * tl.rsqrt(var + eps)).to(x.dtype)
-        tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
+            y = w * (xf * inv).to(x.dtype)
+        tl.store(Y + r[:, None] * stride_y + offs[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotate_heads(X, t, stride_t, stride_h, cos, sin, d, dm, H: tl.constexpr,
@@ -102,18 +107,35 @@ if triton is not None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, gemma: bool = False) -> torch.Tensor:
-    """RMSNorm of the last dim; with `residual`, x + residual is normed and written back
-    into `residual` (which must be contiguous in its last dim). `gemma`: scaled by
-    (1 + weight) in float32 (norm.py)."""
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    r2 = residual.view(-1, n) if residual is not None else x2
-    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                     N=n, BLOCK=_pow2(n), HAS_RES=residual is not None, GEMMA=gemma,
-                                     **pdl.kernel_options(x),
-                                     num_warps=4 if n <= 4096 else 8)
-    return y.view(x.shape)
+    """RMSNorm of the last dim; with `residual` (x's shape), x + residual is normed and
+    written back into `residual`. `gemma`: scaled by (1 + weight) in float32 (norm.py).
+
+    A [T, H, N] input is read through its strides (Qwen3's per-head q / k norms take
+    their heads out of the fused qkv output without a copy), and a program takes several
+    short rows: one 128-value row a program left most of a 16k-token prefill's norm time
+    to launching programs. The rows a program takes depend on N alone, so a row's result
+    does not depend on the batch (the batch-invariant mode)."""
+    shape, n = x.shape, x.shape[-1]
+    if x.dim() == 3 and x.stride(2) == 1:
+        t, heads = x.shape[0], x.shape[1]
+        xs = (x.stride(0), x.stride(1))
+    else:
+        x = x.reshape(-1, n)  # a view where the strides allow
+        t, heads = x.shape[0], 1
+        xs = (x.stride(0), 0)
+    rs = xs
+    if residual is not None:
+        residual = residual.view(x.shape)
+        rs = (residual.stride(0), residual.stride(1) if heads > 1 else 0)
+    rows = t * heads
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block = _pow2(n)
+    per = max(1, min(32, 2048 // block))
+    _rms_norm_kernel[(triton.cdiv(rows, per),)](
+        x, x if residual is None else residual, weight, y, rows, heads, *xs, *rs, y.stride(0), eps,
+        N=n, BLOCK=block, ROWS=per, HAS_RES=residual is not None, GEMMA=gemma,
+        **pdl.kernel_options(x), num_warps=4 if n <= 4096 else 8)
+    return y.view(shape)
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,

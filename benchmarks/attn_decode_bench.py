@@ -1,0 +1,114 @@
+"""Decode attention alone over bf16 and fp8 pages (CUDA): what an FP8 KV cache saves per
+step, and what reading it costs.
+
+One decode step's attention for one layer (every sequence one query, `--ctx` cached keys,
+pages scattered over the pool), timed with CUDA events, for the Llama-2-7B shape (32 query
+and 32 KV heads: gpu-7b and gpu-7b-kv) and the Llama-3.1-8B shape (32 / 8), at bf16 pages
+and at fp8 pages with the products in fp16 and in bf16 (TritonPagedAttention.FP8_COMPUTE),
+over a few launch settings. Each fp8 row is checked against the torch reference on the
+same quantized pages first. Prints microseconds and the KV bytes read per second.
+
+    python benchmarks/attn_decode_bench.py [--batch 256] [--ctx 512 2048] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.triton_backend import TritonPagedAttention
+
+SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+PAGE = 16
+SETTINGS = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3)]
+
+
+def cuda_ms(fn, iters: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def build(hq: int, hkv: int, dim: int, batch: int, ctx: int, fp8: bool, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = -(-ctx // PAGE)
+    num_blocks = batch * nblk + 1
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    shape = (num_blocks, PAGE, hkv, dim)
+    kc = torch.randn(shape, generator=g, device="cuda").to(cache_dtype)
+    vc = torch.randn(shape, generator=g, device="cuda").to(cache_dtype)
+    perm = torch.randperm(batch * nblk, generator=g, device="cuda").to(torch.int32) + 1
+    tables = perm.view(batch, nblk)
+    rows = torch.arange(batch, device="cuda", dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1, device="cuda", dtype=torch.int64), num_decode=batch,
+        block_tables=tables, q_start=rows, q_len=torch.ones(batch, device="cuda", dtype=torch.int32),
+        ctx_len=torch.full((batch,), ctx, device="cuda", dtype=torch.int32))
+    q = torch.randn(batch, hq, dim, generator=g, device="cuda").to(torch.bfloat16)
+    k = torch.randn(batch, hkv, dim, generator=g, device="cuda").to(torch.bfloat16)
+    return q, k, kc, vc, meta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    backend = TritonPagedAttention
+    defaults = (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE)
+    rows = []
+    print(f"decode attention, batch {args.batch}, page {PAGE} ({torch.cuda.get_device_name()})")
+    print(f"{'shape':10s} {'ctx':>5s} {'pages':6s} {'compute':7s} {'BN,w,s':9s} {'us':>8s} {'GB/s':>7s} {'err':>8s}")
+    for name, (hq, hkv, dim) in SHAPES.items():
+        for ctx in args.ctx:
+            for pages, computes in (("bf16", ("bf16",)), ("fp8", ("fp16", "bf16"))):
+                q, k, kc, vc, meta = build(hq, hkv, dim, args.batch, ctx, pages == "fp8")
+                kv_bytes = 2 * args.batch * ctx * hkv * dim * kc.element_size()
+                want = None
+                for compute in computes:
+                    backend.FP8_COMPUTE = compute
+                    for bn, warps, stages in SETTINGS:
+                        launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+                        backend.DECODE_LAUNCH = backend.DECODE_LAUNCH_FP8 = launch
+
+                        def step(q=q, k=k, kc=kc, vc=vc, meta=meta, dim=dim):
+                            return backend.forward(q, k, k, kc, vc, meta, dim**-0.5)
+
+                        try:
+                            out = step()
+                        except Exception as e:  # a setting the compiler refuses
+                            print(f"{name:10s} {ctx:5d} {pages:6s} {compute:7s} {bn},{warps},{stages}: {type(e).__name__}")
+                            continue
+                        if want is None:  # the first setting's output, in float32 math
+                            want = TritonPagedAttention.forward(q.float(), k.float(), k.float(),
+                                                                kc if pages == "fp8" else kc.float(),
+                                                                vc if pages == "fp8" else vc.float(),
+                                                                meta, dim**-0.5).float()
+                        err = ((out.float() - want).norm() / want.norm()).item()
+                        ms = cuda_ms(step)
+                        gbs = kv_bytes / ms / 1e6
+                        print(f"{name:10s} {ctx:5d} {pages:6s} {compute:7s} {bn},{warps},{stages:<5d} "
+                              f"{ms * 1e3:8.1f} {gbs:7.0f} {err:8.1e}")
+                        rows.append({"shape": name, "ctx": ctx, "pages": pages, "compute": compute,
+                                     "launch": [bn, warps, stages], "us": round(ms * 1e3, 2),
+                                     "kv_GBps": round(gbs), "rel_err_vs_fp32": err})
+                del q, k, kc, vc, meta
+    backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE = defaults
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "attn_decode", "device": torch.cuda.get_device_name(),
+                       "batch": args.batch, "page": PAGE, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
