@@ -99,6 +99,52 @@ def test_rotary_in_place_matches_reference(dtype, hq, hkv, dim, rot):
     torch.testing.assert_close(k, ref_k, **tol)
 
 
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,dim", [(16, 8, 128), (9, 3, 64)])
+def test_rotary_with_fused_head_norm(hq, hkv, dim, dtype, gemma):
+    """q_norm / k_norm (RMSNorm of each head) fused into the rotary kernel: the same values
+    as the norm modules' own kernel followed by the rotation, in place in the qkv output."""
+    from transformers import LlamaConfig
+
+    from pagedllm.model_executor.layers.norm import RMSNorm
+
+    cfg = LlamaConfig(hidden_size=hq * dim, num_attention_heads=hq, rope_theta=10000.0)
+    emb = RotaryEmbedding(cfg, dim, dim, 512)
+    emb.build_tables(torch.device(DEV))
+    g = torch.Generator().manual_seed(dim + gemma)
+    t = 13
+    qkv = torch.randn(t, (hq + 2 * hkv) * dim, generator=g).mul(3).to(DEV, dtype)
+    q = qkv[:, : hq * dim].view(t, hq, dim)
+    k = qkv[:, hq * dim : (hq + hkv) * dim].view(t, hkv, dim)
+    v_before = qkv[:, (hq + hkv) * dim :].clone()
+    norms = []
+    for _ in range(2):
+        n = RMSNorm(dim, 1e-6, gemma=gemma).to(DEV, dtype)
+        with torch.no_grad():
+            n.weight.copy_(torch.randn(dim, generator=g).mul(0.5))
+        norms.append(n)
+    pos = torch.randint(0, 512, (t,), dtype=torch.int32, generator=g).to(DEV)
+    cos, sin = emb.cos[pos.long()].unsqueeze(1), emb.sin[pos.long()].unsqueeze(1)
+    with torch.no_grad():
+        ref_q = emb._rotate(fused_ops.rms_norm(q, norms[0].weight, 1e-6, gemma=gemma), cos, sin)
+        ref_k = emb._rotate(fused_ops.rms_norm(k, norms[1].weight, 1e-6, gemma=gemma), cos, sin)
+        assert emb.can_fuse_norm(q) == (DEV == "cuda")
+        fused_ops.rotary_(q, k, pos, emb.cos, emb.sin, (norms[0].weight, norms[1].weight, 1e-6, gemma))
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
+    assert torch.equal(qkv[:, (hq + hkv) * dim :], v_before)
+
+
+def test_fused_head_norm_needs_the_whole_head_rotated():
+    cos = torch.zeros(4, 16, device=DEV)
+    q, k = torch.zeros(2, 2, 64, device=DEV), torch.zeros(2, 1, 64, device=DEV)
+    w = torch.ones(64, device=DEV)
+    with pytest.raises(ValueError, match="whole head"):
+        fused_ops.rotary_(q, k, torch.zeros(2, dtype=torch.int32, device=DEV), cos, cos, (w, w, 1e-6, False))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [40, 1536, 11008])
 def test_silu_and_mul(dtype, n):

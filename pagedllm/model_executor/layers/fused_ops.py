@@ -73,9 +73,34 @@ if triton is not None:
         tl.store(base + HALF, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rotary_kernel(Q, K, positions, COS, SIN, stride_qt, stride_qh, stride_kt, stride_kh,
+    def _norm_rotate_heads(X, W, t, stride_t, stride_h, cos, sin, d, dm, eps, H: tl.constexpr,
+                           HALF: tl.constexpr, BLOCK_H: tl.constexpr, GEMMA: tl.constexpr):
+        """RMSNorm of each whole head (both halves) as the RMSNorm kernel computes it, then
+        the rotation of the normed values; one read and one write of the heads."""
+        h = tl.arange(0, BLOCK_H)[:, None]
+        m = (h < H) & dm[None, :]
+        base = X + t * stride_t + h * stride_h + d[None, :]
+        x1 = tl.load(base, mask=m, other=0.0)
+        x2 = tl.load(base + HALF, mask=m, other=0.0)
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        inv = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(W + d, mask=dm, other=0.0)[None, :]
+        w2 = tl.load(W + HALF + d, mask=dm, other=0.0)[None, :]
+        if GEMMA:
+            n1 = (f1 * inv * (1.0 + w1.to(tl.float32))).to(x1.dtype).to(tl.float32)
+            n2 = (f2 * inv * (1.0 + w2.to(tl.float32))).to(x1.dtype).to(tl.float32)
+        else:
+            n1 = (w1 * (f1 * inv).to(x1.dtype)).to(x1.dtype).to(tl.float32)
+            n2 = (w2 * (f2 * inv).to(x1.dtype)).to(x1.dtype).to(tl.float32)
+        tl.store(base, (n1 * cos - n2 * sin).to(X.dtype.element_ty), mask=m)
+        tl.store(base + HALF, (n2 * cos + n1 * sin).to(X.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rotary_kernel(Q, K, positions, COS, SIN, WQ, WK, eps, stride_qt, stride_qh, stride_kt, stride_kh,
                        stride_c, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+                       NORM: tl.constexpr = False, GEMMA: tl.constexpr = False):
         if PDL:
             tok = wait()
             Q += tok
@@ -88,8 +113,12 @@ if triton is not None:
         dm = d < HALF
         cos = tl.load(COS + pos * stride_c + d, mask=dm, other=0.0)[None, :]
         sin = tl.load(SIN + pos * stride_c + d, mask=dm, other=0.0)[None, :]
-        _rotate_heads(Q, t, stride_qt, stride_qh, cos, sin, d, dm, HQ, HALF, BLOCK_HQ)
-        _rotate_heads(K, t, stride_kt, stride_kh, cos, sin, d, dm, HKV, HALF, BLOCK_HKV)
+        if NORM:
+            _norm_rotate_heads(Q, WQ, t, stride_qt, stride_qh, cos, sin, d, dm, eps, HQ, HALF, BLOCK_HQ, GEMMA)
+            _norm_rotate_heads(K, WK, t, stride_kt, stride_kh, cos, sin, d, dm, eps, HKV, HALF, BLOCK_HKV, GEMMA)
+        else:
+            _rotate_heads(Q, t, stride_qt, stride_qh, cos, sin, d, dm, HQ, HALF, BLOCK_HQ)
+            _rotate_heads(K, t, stride_kt, stride_kh, cos, sin, d, dm, HKV, HALF, BLOCK_HKV)
 
     @triton.jit
     def _silu_mul_kernel(X, Y, stride_x, stride_y, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
@@ -139,14 +168,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> None:
+            sin: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> None:
     """Neox-style rotation of the first 2*cos.shape[1] dims of q [T, Hq, D] and k [T, Hkv, D],
-    in place."""
+    in place. `norm` = (q weight, k weight, eps, gemma): each head is RMS-normed first
+    (Qwen3 / Gemma 3's q_norm and k_norm) in the same pass; the rotation must then cover
+    the whole head (2*cos.shape[1] == D)."""
     half = cos.shape[1]
     hq, hkv = q.shape[1], k.shape[1]
-    _rotary_kernel[(q.shape[0],)](q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0),
+    if norm is not None and 2 * half != q.shape[2]:
+        raise ValueError("a fused q/k norm needs the rotation to cover the whole head")
+    wq, wk, eps, gemma = norm if norm is not None else (cos, cos, 0.0, False)  # any pointer when unused
+    _rotary_kernel[(q.shape[0],)](q, k, positions, cos, sin, wq, wk, eps, q.stride(0), q.stride(1), k.stride(0),
                                   k.stride(1), cos.stride(0), HQ=hq, HKV=hkv, HALF=half,
                                   BLOCK_HQ=_pow2(hq), BLOCK_HKV=_pow2(hkv), BLOCK_D=_pow2(half),
+                                  NORM=norm is not None, GEMMA=gemma,
                                   num_warps=4, **pdl.kernel_options(q))
 
 

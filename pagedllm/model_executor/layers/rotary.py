@@ -117,11 +117,24 @@ class RotaryEmbedding(nn.Module):
         self.cos = (freqs.cos() * scale).to(device)
         self.sin = (freqs.sin() * scale).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere)."""
+    def can_fuse_norm(self, q: torch.Tensor) -> bool:
+        """Whether forward() can RMS-norm the heads in its own kernel (`norms`): on CUDA,
+        neox-style, rotating the whole head."""
+        return not self.interleaved and fused_ops.available(q) and self.rotary_dim == q.shape[-1]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms=None):
+        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated (in place on CUDA, copies elsewhere).
+        `norms` (q_norm, k_norm RMSNorm modules; only where can_fuse_norm): each head is
+        normed first, in the same kernel."""
         if not self.interleaved and fused_ops.available(q):  # the kernel is neox-only
-            fused_ops.rotary_(q, k, positions, self.cos, self.sin)
+            norm = None
+            if norms is not None:
+                qn, kn = norms
+                norm = (qn.weight, kn.weight, qn.eps, qn.gemma)
+            fused_ops.rotary_(q, k, positions, self.cos, self.sin, norm)
             return q, k
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

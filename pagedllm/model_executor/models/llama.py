@@ -202,10 +202,14 @@ class Attention(nn.Module):
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
+        norms = None
         if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            if not s.alibi and self.rotary.can_fuse_norm(q):  # one kernel: norm, then rotate
+                norms = (self.q_norm, self.k_norm)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
         if not s.alibi:
-            q, k = self.rotary(positions, q, k)
+            q, k = self.rotary(positions, q, k, norms)
             extra = self.extra
             if self.sinks is not None:
                 extra = dict(extra)
