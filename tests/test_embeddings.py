@@ -204,6 +204,26 @@ def test_limits_and_truncation(tmp_path):
     np.testing.assert_allclose(short, np.array(full[:8]) / np.linalg.norm(full[:8]), rtol=1e-5)
 
 
+def test_prompts_fed_in_batches_equal_all_at_once(base_dir, monkeypatch):
+    """embed() tokenizes and queues a few prompts at a time while earlier ones run: the
+    vectors and their order are those of one up-front batch, texts and token ids mixed;
+    a bad prompt in a later batch fails the call and leaves nothing running."""
+    llm = make_llm(base_dir)
+    prompts = [TEXTS[i % len(TEXTS)] + f" {i}" for i in range(11)]
+    prompts[4] = {"prompt_token_ids": [5, 6, 7, 8]}
+    want = [o.outputs.embedding for o in llm.embed(prompts)]
+    monkeypatch.setattr(LLM, "EMBED_FEED", 3)
+    outs = llm.embed(prompts)
+    assert [o.prompt_token_ids for o in outs][4] == [5, 6, 7, 8]
+    np.testing.assert_allclose(np.array([o.outputs.embedding for o in outs]), np.array(want),
+                               rtol=1e-5, atol=1e-6)
+    bad = prompts[:7] + [{"prompt_token_ids": [1] * 300}] + prompts[7:]
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.embed(bad)
+    assert not llm.engine.has_unfinished_requests()
+    np.testing.assert_allclose(llm.embed(prompts[:2])[1].outputs.embedding, want[1], rtol=1e-5, atol=1e-6)
+
+
 def test_base_model_checkpoint(tmp_path):
     """An embedding checkpoint saved as a bare base model (Qwen3Model: no `model.` prefix,
     no lm_head), as sentence-transformers saves decoder embedding models."""
