@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from triton_device import DEV, INTERPRET  # first: skips this module without CUDA or the interpreter
 
-from pagedllm.model_executor.layers.fused_moe import align_pairs, fused_experts, route
+from pagedllm.model_executor.layers.fused_moe import align_pairs, fused_experts, route, route_align
 
 
 def _reference(x, w13, w2, weights, ids):
@@ -155,6 +155,57 @@ def test_route_is_transformers_routing(renormalise):
     w, i = route(logits.to(DEV), 8, renormalise)
     assert torch.equal(i.cpu().long(), want_i)
     torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,experts,k,block_m,renormalise",
+                         [(1, 8, 2, 16, True), (1, 128, 8, 16, True), (5, 4, 1, 16, False),
+                          (37, 16, 4, 32, True), (64, 128, 8, 16, False)])
+def test_route_align_equals_route_then_align(tokens, experts, k, block_m, renormalise):
+    """The one-program routing + alignment of decode steps gives route()'s weights and ids
+    and align_pairs()'s blocks."""
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    logits = torch.randn(tokens, experts, generator=g).to(DEV)
+    want_w, want_i = route(logits, k, renormalise)
+    want = align_pairs(want_i, experts, block_m)
+    w, i, got = route_align(logits, k, renormalise, block_m)
+    assert torch.equal(i, want_i)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+    used = int(want[2])
+    assert int(got[2]) == used
+    assert torch.equal(got[0][:used], want[0][:used])
+    assert torch.equal(got[1][:used // block_m], want[1][:used // block_m])
+    with pytest.raises(ValueError, match="tokens"):
+        route_align(torch.zeros(65, experts, device=DEV), k, renormalise, block_m)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 64, 65])
+def test_moe_block_with_route_align_equals_separate_launches(tokens, monkeypatch):
+    """A Qwen-style MoE block (softmax top-k, renormalised, Qwen's cast of the weights):
+    steps of up to 64 tokens take the fused route + align launch, larger ones the two
+    launches; both equal the block's per-expert torch loop."""
+    from pagedllm.model_executor.layers import fused_moe
+    from pagedllm.model_executor.models.moe import SparseMoeBlock
+
+    class Shape:  # what SparseMoeBlock reads of a ModelShape
+        hidden = 64
+
+    torch.manual_seed(tokens)
+    block = SparseMoeBlock(Shape(), num_experts=16, top_k=4, intermediate=32, norm_topk_prob=True,
+                           weights_in_fp32=False)
+    with torch.no_grad():
+        for prm in block.parameters():
+            prm.normal_(0.0, 0.3)
+    block = block.to(DEV)
+    x = torch.randn(tokens, 64, device=DEV)
+    with torch.no_grad():
+        want = block.experts_sparse(x, *block.route(x))
+        monkeypatch.setattr(fused_moe, "available", lambda t: True)
+        calls = []
+        real = fused_moe.route_align
+        monkeypatch.setattr(fused_moe, "route_align", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        got = block(x)
+    assert len(calls) == (1 if tokens <= fused_moe.ROUTE_ALIGN_TOKENS else 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_packed_mxfp4_expert_block_equals_its_dequantized_twin(tmp_path, monkeypatch):

@@ -60,6 +60,23 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _align_cap(pairs: int, num_experts: int, block_m: int) -> int:
+    """The worst-case padded length: every pair, plus BLOCK_M - 1 rows of padding for each
+    expert that can get a pair, rounded up to whole blocks."""
+    cap = pairs + min(num_experts, pairs) * (block_m - 1)
+    return -(-cap // block_m) * block_m
+
+
+def _align_buffers(pairs: int, num_experts: int, block_m: int, device) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """(the padded length, and the empty buffers the one-program alignment fills: sorted
+    ids, expert per block, rows used, an expert-sized scratch)."""
+    cap = _align_cap(pairs, num_experts, block_m)
+    return cap, (torch.empty(cap, dtype=torch.int32, device=device),
+                 torch.empty(cap // block_m, dtype=torch.int32, device=device),
+                 torch.empty(1, dtype=torch.int32, device=device),
+                 torch.empty(_pow2(num_experts + 1), dtype=torch.int32, device=device))
+
+
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
                 one_kernel: bool | None = None) -> tuple[torch.Tensor, ...]:
     """(sorted pair ids [P] int32, expert of each block [P / block_m] int32, rows used [1]
@@ -67,23 +84,15 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
     (p = token * k + j); padding slots hold T*k (no pair). `one_kernel`: None picks the
     single-kernel path on CUDA for up to SMALL_PAIRS pairs, torch ops otherwise."""
     pairs = ids.numel()
-    cap = pairs + min(num_experts, pairs) * (block_m - 1)
-    cap = -(-cap // block_m) * block_m
     if one_kernel is None:
         one_kernel = triton is not None and ids.is_cuda and pairs <= SMALL_PAIRS
     if one_kernel:
-        dev = ids.device
-        sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
-        block_expert = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
-        used = torch.empty(1, dtype=torch.int32, device=dev)
-        eb = _pow2(num_experts + 1)
-        scratch = torch.empty(eb, dtype=torch.int32, device=dev)
-        pb = max(16, _pow2(pairs))
+        cap, (sorted_ids, block_expert, used, scratch) = _align_buffers(pairs, num_experts, block_m, ids.device)
         _align_small_kernel[(1,)](ids.reshape(-1), sorted_ids, block_expert, used, scratch, pairs,
-                                  num_experts, cap, BM=block_m, PB=pb, EB=eb,
-                                  NB=max(16, _pow2(cap // block_m)), num_warps=8)
+                                  num_experts, cap, BM=block_m, PB=max(16, _pow2(pairs)),
+                                  EB=scratch.numel(), NB=max(16, _pow2(cap // block_m)), num_warps=8)
         return sorted_ids, block_expert, used
-    return _align_with_torch(ids, num_experts, block_m, cap)
+    return _align_with_torch(ids, num_experts, block_m, _align_cap(pairs, num_experts, block_m))
 
 
 def _align_with_torch(ids: torch.Tensor, num_experts: int, block_m: int, cap: int) -> tuple[torch.Tensor, ...]:
@@ -234,9 +243,8 @@ if triton is not None:
         tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit
-    def _align_small_kernel(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP,
-                            BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
-                            NB: tl.constexpr):
+    def _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP,
+                    BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr):
         """align_pairs in one program, for up to PB pairs: a histogram of the experts, the
         padded segment of each, one sort of (expert, pair) keys and a scatter."""
         offs = tl.arange(0, PB)
@@ -259,6 +267,44 @@ if triton is not None:
         se = key // PB
         shift = tl.load(Scratch + se, mask=se < E, other=0)
         tl.store(SortedIds + shift + offs, key % PB, mask=se < E)
+
+    @triton.jit
+    def _align_small_kernel(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP,
+                            BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
+                            NB: tl.constexpr):
+        _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP, BM, PB, EB, NB)
+
+    @triton.jit
+    def _route_align_kernel(Logits, Weights, Ids, SortedIds, BlockExpert, Used, Scratch, T, E, stride,
+                            CAP, K: tl.constexpr, TB: tl.constexpr, EB: tl.constexpr,
+                            RENORM: tl.constexpr, BM: tl.constexpr, PB: tl.constexpr,
+                            NB: tl.constexpr):
+        """_route_kernel for every token of a small step at once ([TB, EB] logits in one
+        program), then align_pairs on the ids it wrote: one launch where there were two."""
+        t = tl.arange(0, TB)
+        eb = tl.arange(0, EB)
+        t_ok = t < T
+        x = tl.load(Logits + t[:, None].to(tl.int64) * stride + eb[None, :],
+                    mask=t_ok[:, None] & (eb < E)[None, :], other=float("-inf")).to(tl.float32)
+        x = tl.where(t_ok[:, None], x, 0.0)  # rows past T: finite, never stored
+        p = tl.exp(x - tl.max(x, 1)[:, None])
+        p = p / tl.sum(p, 1)[:, None]
+        left = tl.where((eb < E)[None, :], p, -1.0)
+        total = tl.zeros([TB], dtype=tl.float32)
+        for j in tl.static_range(K):
+            best = tl.max(left, 1)
+            idx = tl.min(tl.where(left == best[:, None], eb[None, :], EB), 1)  # lowest among ties
+            tl.store(Weights + t * K + j, best, mask=t_ok)
+            tl.store(Ids + t * K + j, idx, mask=t_ok)
+            total += best
+            left = tl.where(eb[None, :] == idx[:, None], -1.0, left)
+        tl.debug_barrier()
+        if RENORM:
+            kk = tl.arange(0, K)
+            wp = Weights + t[:, None] * K + kk[None, :]
+            w = tl.load(wp, mask=t_ok[:, None], other=1.0)
+            tl.store(wp, w / total[:, None], mask=t_ok[:, None])
+        _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, T * K, E, CAP, BM, PB, EB, NB)
 
     @triton.jit
     def _route_kernel(Logits, Weights, Ids, E, stride, K: tl.constexpr, EB: tl.constexpr,
@@ -328,6 +374,30 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights, ids
 
 
+ROUTE_ALIGN_TOKENS = 64  # up to this many tokens, one program routes and aligns (decode steps)
+
+
+def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """route() and align_pairs() of its ids in one single-program launch, for steps of at
+    most ROUTE_ALIGN_TOKENS tokens: (weights, ids, (sorted ids, expert per block, rows
+    used)), the same values the two calls give. Not for the batch-invariant mode: a
+    token's softmax sum is reduced in another order here than in route()."""
+    tokens, experts = logits.shape
+    if not 0 < tokens <= ROUTE_ALIGN_TOKENS:
+        raise ValueError(f"route_align takes 1 to {ROUTE_ALIGN_TOKENS} tokens, got {tokens}")
+    dev = logits.device
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((tokens, top_k), dtype=torch.int32, device=dev)
+    pairs = tokens * top_k
+    cap, (sorted_ids, block_expert, used, scratch) = _align_buffers(pairs, experts, block_m, dev)
+    _route_align_kernel[(1,)](logits, weights, ids, sorted_ids, block_expert, used, scratch, tokens,
+                              experts, logits.stride(0), cap, K=top_k, TB=max(2, _pow2(tokens)),
+                              EB=scratch.numel(), RENORM=renormalise, BM=block_m,
+                              PB=max(16, _pow2(pairs)), NB=max(16, _pow2(cap // block_m)), num_warps=8)
+    return weights, ids, (sorted_ids, block_expert, used)
+
+
 # The batch-invariant mode's one configuration: a pair's row is then the same K-ordered
 # sum in any batch (the tuned tiles change with the token count).
 INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
@@ -337,7 +407,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, config: dict | None = None, invariant: bool = False,
                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                   swiglu: tuple[float, float] | None = None, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None,
+                  aligned: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j], for
     x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]. `invariant`: one
     fixed tile configuration and the k rows summed in order (batch-invariant mode).
@@ -345,7 +416,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     limit) for its clamped SwiGLU in place of silu(gate) * up. MXFP4 experts (gpt-oss's
     published format, kept packed): w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8 (two e2m1
     values a byte, low nibble first) with w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32]
-    (uint8 e8m0 exponents, one per 32 values), dequantized tile by tile in the kernels."""
+    (uint8 e8m0 exponents, one per 32 values), dequantized tile by tile in the kernels.
+    `aligned`: the pairs already aligned (route_align) with `config`'s BM."""
     if invariant:
         config = INVARIANT_CONFIG
     tokens, hidden = x.shape
@@ -360,7 +432,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         bk = max(bk, 32)  # whole scale blocks per K tile
     launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
     ieee = x.dtype == torch.float32
-    sorted_ids, block_expert, used = align_pairs(ids, num_experts, bm)
+    if aligned is None:
+        aligned = align_pairs(ids, num_experts, bm)
+    sorted_ids, block_expert, used = aligned
     blocks = sorted_ids.numel() // bm
     h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     alpha, limit = swiglu or (1.0, 0.0)

@@ -172,9 +172,27 @@ class SparseMoeBlock(nn.Module):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         return (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
 
+    def _route_align_experts(self, x: torch.Tensor) -> torch.Tensor | None:
+        """run_experts(x, *route(x)) with the routing and the pair alignment in one kernel
+        (fused_moe.route_align), for the small steps of decoding on CUDA; None where it
+        does not apply (another routing, more tokens, the batch-invariant mode)."""
+        tokens = x.shape[0]
+        if (type(self).route is not SparseMoeBlock.route or not fused_moe.available(x)
+                or not 0 < tokens <= fused_moe.ROUTE_ALIGN_TOKENS or batch_invariant.is_enabled()):
+            return None
+        cfg = fused_moe.pick_config(tokens * self.top_k, self.num_experts, x.shape[1], self.inter, self.top_k)
+        weights, ids, aligned = fused_moe.route_align(self.gate(x), self.top_k, self.norm_topk_prob, cfg["BM"])
+        if not self.weights_in_fp32:
+            weights = weights.to(x.dtype)
+        swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
+        return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids, config=cfg, b13=self.b13,
+                                       b2=self.b2, swiglu=swiglu, aligned=aligned)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        out = self.run_experts(x, weights, ids)
+        out = self._route_align_experts(x)
+        if out is None:
+            weights, ids = self.route(x)
+            out = self.run_experts(x, weights, ids)
         if self.shared_expert is not None:
             # its row-parallel down_proj has already summed over the ranks
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
