@@ -15,27 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.triton_backend import TritonPagedAttention
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_decode import cuda_time  # noqa: E402
+
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
 PAGE = 16
 SETTINGS = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3)]
-
-
-def cuda_ms(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def build(hq: int, hkv: int, dim: int, batch: int, ctx: int, fp8: bool, seed: int = 0):
@@ -95,7 +88,7 @@ def main() -> None:
                                                                 vc if pages == "fp8" else vc.float(),
                                                                 meta, dim**-0.5).float()
                         err = ((out.float() - want).norm() / want.norm()).item()
-                        ms = cuda_ms(step)
+                        ms = cuda_time(step, iters=50)
                         gbs = kv_bytes / ms / 1e6
                         print(f"{name:10s} {ctx:5d} {pages:6s} {compute:7s} {bn},{warps},{stages:<5d} "
                               f"{ms * 1e3:8.1f} {gbs:7.0f} {err:8.1e}")

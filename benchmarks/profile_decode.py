@@ -77,7 +77,7 @@ def main() -> None:
     guard = torch.inference_mode()  # the runner's tensors are inference tensors
     guard.__enter__()
     # 2. Device time of one replayed decode step.
-    runner = engine.executor
+    runner = engine.executor.runner
     graphs = runner.graphs
     bs = runner.block_size
     if graphs is not None:
