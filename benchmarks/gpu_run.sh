@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|prefill|profile|eager|attn|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -18,6 +18,7 @@
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters).
 # prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
 # profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
+# kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
 # attn: benchmarks/attn_decode_bench.py (decode attention over bf16 / fp8 pages);
 # eager: benchmarks/eager_host_cost.py (host microseconds per piece of an eager MoE step);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
@@ -247,6 +248,17 @@ profile)
         --json "$OUT/profile-long-ttft.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
     timeout "$(cap 300)" python3 benchmarks/profile_kernels.py --embed \
         --json "$OUT/profile-embed.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
+    ;;
+kernels)
+    # The fused kernels' GPU tests (norms, rotary with the q/k norms, MoE routing, alignment
+    # and experts, attention over bf16 / fp8 pages) and the CUDA parity tests, then the
+    # eager MoE host cost and one sequence of gpu-moe under the profiler (batch-1 kernels).
+    timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_ops.py tests/test_fused_moe.py \
+        tests/test_triton_attention.py tests/test_gpu.py tests/test_moe.py -m "gpu or not gpu" 2>&1 | tail -4
+    timeout "$(cap 120)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers 8 --batch 64 \
+        --json "$OUT/eager-host-cost.json" 2>&1 | grep -v "Warning\|transformers" | tail -21
+    timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 \
+        --json "$OUT/profile-moe-b1.json" 2>&1 | grep -v "USDT\|Warning" | tail -22
     ;;
 eager)
     # What an eager decode step costs the host, piece by piece (MoE at batch 64, 8 layers),

@@ -225,9 +225,11 @@ def rendered(server: Server, tmp_path_factory) -> Rendered:
     png = out / "dashboard.png"
     streams = Streams(server, NUM_STREAMS)
     try:
-        # A few seconds of history, so the charts have lines and the rate is known.
+        # A few seconds of history, so the charts have lines and the rate is known (on a
+        # loaded 2-core machine a one-second sample can see no token: wait for one that did).
         wait_for(lambda: (d := dashboard_data(server))["current"]["running"] == NUM_STREAMS
-                 and d["series"]["running"][-4:] == [NUM_STREAMS] * 4,
+                 and d["series"]["running"][-4:] == [NUM_STREAMS] * 4
+                 and d["current"]["gen_tokens_per_s"] > 0,
                  "the dashboard to show every stream for a few seconds", timeout=60)
         cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                "--no-first-run", "--disable-background-networking", "--disable-component-update",
