@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -15,7 +15,8 @@
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k;
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
-# lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters).
+# lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
+# lora-profile: gpu-7b's kernels without and with one adapter on every prompt.
 # prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
 # profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
 # kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
@@ -338,6 +339,14 @@ lora)
     # then gpu-7b base vs 8 adapters over 4 slots vs 1 adapter (each engine in its own process).
     timeout 150 python3 -m pytest -q -m gpu tests/test_lora.py -p no:cacheprovider 2>&1 | tail -8
     timeout 420 python3 benchmarks/lora_bench.py --output-json "$OUT/gpu-7b-lora.json" 2>&1 | tail -16
+    ;;
+lora-profile)
+    # gpu-7b under the profiler without and with one rank-16 adapter on every prompt (lora1):
+    # which kernels the adapter's ~12% goes to.
+    timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-7b --top 14 \
+        --json "$OUT/profile-gpu-7b.json" 2>&1 | grep -v "USDT\|Warning" | tail -15
+    timeout "$(cap 240)" python3 benchmarks/profile_kernels.py --workload gpu-7b --lora 16 --top 20 \
+        --json "$OUT/profile-gpu-7b-lora1.json" 2>&1 | grep -v "USDT\|Warning" | tail -21
     ;;
 quant)
     timeout 200 python3 benchmarks/quant_decode.py --mode layers --layers 32 --batch 1 16 64 256 2048 2>&1 | tail -8

@@ -6,6 +6,7 @@ first token against HF (gpu-long-ttft), an embedding batch against sentence-tran
 
     python benchmarks/profile_kernels.py --workload gpu-long-ttft [--top 25] [--json F]
     python benchmarks/profile_kernels.py --embed [--num-inputs 2048 --input-len 256]
+    python benchmarks/profile_kernels.py --workload gpu-7b --lora 16   (where one adapter's time goes)
 
 The first form runs a BENCHMARKS.md workload (dummy weights, its prompts); the second,
 embed_bench.py's Qwen3-0.6B-shape pooling checkpoint. One warm-up run, then one profiled.
@@ -34,9 +35,19 @@ def _generate_run(args):
     config = dict(w.arch_config)
     if args.num_hidden_layers:
         config["num_hidden_layers"] = args.num_hidden_layers
+    lora_kw, adapter = {}, None
+    if args.lora:  # one random PEFT adapter of that rank on every linear layer, for every prompt
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from lora_bench import write_adapters
+
+        from pagedllm import LoRARequest
+
+        path = write_adapters(tempfile.mkdtemp(prefix="pagedllm-profile-lora-"), config, 1, args.lora)[0]
+        adapter = LoRARequest("adapter0", 1, path)
+        lora_kw = dict(enable_lora=True, max_loras=1, max_lora_rank=args.lora)
     llm = LLM(model=write_arch_config(config), load_format="dummy", dtype=w.dtype,
               skip_tokenizer_init=True, device=args.device,
-              enable_prefix_caching=False)  # the profiled run must recompute the prompt
+              enable_prefix_caching=False, **lora_kw)  # the profiled run must recompute the prompt
     vocab = llm.engine.executor.vocab_size
     num = args.num_prompts or w.num_prompts
     lo, hi = w.input_range
@@ -45,7 +56,7 @@ def _generate_run(args):
     data = random_dataset(num, (lo, hi), w.output_range, vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in data.prompts]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0) for n in data.output_lens]
-    return lambda: llm.generate(prompts, params, use_tqdm=False)
+    return lambda: llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
 
 
 def _embed_run(args):
@@ -70,6 +81,8 @@ def main() -> None:
     ap.add_argument("--num-inputs", type=int, default=2048)
     ap.add_argument("--input-len", type=int, default=None)
     ap.add_argument("--num-hidden-layers", type=int, default=None, help="fewer layers (smoke runs)")
+    ap.add_argument("--lora", type=int, default=None, metavar="RANK",
+                    help="every prompt through one random adapter of this rank (Llama-shaped workloads)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
