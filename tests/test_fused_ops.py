@@ -57,6 +57,8 @@ def test_head_norm_reads_a_strided_view(dtype, tokens):
         assert got.shape == x.shape
         torch.testing.assert_close(got, _ref_rms(x.contiguous(), w, 1e-6)[0], **tol)
     assert torch.equal(qkv, before)  # read only
+    wide = torch.randn(dim, tokens + 1, generator=g).to(DEV, dtype).t()  # last dim strided
+    torch.testing.assert_close(fused_ops.rms_norm(wide, w, 1e-6), _ref_rms(wide.contiguous(), w, 1e-6)[0], **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

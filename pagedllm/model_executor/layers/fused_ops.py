@@ -150,6 +150,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         xs = (x.stride(0), x.stride(1))
     else:
         x = x.reshape(-1, n)  # a view where the strides allow
+        if x.stride(1) != 1:  # the kernel walks a row's values with unit stride
+            x = x.contiguous()
         t, heads = x.shape[0], 1
         xs = (x.stride(0), 0)
     rs = xs
