@@ -58,21 +58,25 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     backend = TritonPagedAttention
-    defaults = (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE)
+    defaults = (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE,
+                backend.DECODE_ROWS, backend.DECODE_ROWS_LAUNCH)
     rows = []
     print(f"decode attention, batch {args.batch}, page {PAGE} ({torch.cuda.get_device_name()})")
     print(f"{'shape':10s} {'ctx':>5s} {'pages':6s} {'compute':7s} {'BN,w,s':9s} {'us':>8s} {'GB/s':>7s} {'err':>8s}")
     for name, (hq, hkv, dim) in SHAPES.items():
         for ctx in args.ctx:
-            for pages, computes in (("bf16", ("bf16",)), ("fp8", ("fp16", "bf16"))):
+            # "rows": _decode_rows_kernel (float32 sums on the CUDA cores; one query per KV head)
+            rows_kernel = ("rows",) if hq == hkv else ()
+            for pages, computes in (("bf16", ("bf16", *rows_kernel)), ("fp8", ("fp16", "bf16", *rows_kernel))):
                 q, k, kc, vc, meta = build(hq, hkv, dim, args.batch, ctx, pages == "fp8")
                 kv_bytes = 2 * args.batch * ctx * hkv * dim * kc.element_size()
                 want = None
                 for compute in computes:
-                    backend.FP8_COMPUTE = compute
+                    backend.DECODE_ROWS = "rows" if compute == "rows" else "dot"
+                    backend.FP8_COMPUTE = "fp16" if compute == "rows" else compute
                     for bn, warps, stages in SETTINGS:
                         launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-                        backend.DECODE_LAUNCH = backend.DECODE_LAUNCH_FP8 = launch
+                        backend.DECODE_LAUNCH = backend.DECODE_LAUNCH_FP8 = backend.DECODE_ROWS_LAUNCH = launch
 
                         def step(q=q, k=k, kc=kc, vc=vc, meta=meta, dim=dim):
                             return backend.forward(q, k, k, kc, vc, meta, dim**-0.5)
@@ -96,7 +100,8 @@ def main() -> None:
                                      "launch": [bn, warps, stages], "us": round(ms * 1e3, 2),
                                      "kv_GBps": round(gbs), "rel_err_vs_fp32": err})
                 del q, k, kc, vc, meta
-    backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE = defaults
+    (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE,
+     backend.DECODE_ROWS, backend.DECODE_ROWS_LAUNCH) = defaults
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "attn_decode", "device": torch.cuda.get_device_name(),

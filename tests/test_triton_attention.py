@@ -45,6 +45,36 @@ def test_triton_matches_torch(case, dtype):
     torch.testing.assert_close(kc2, kc_ref)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("fp8", [False, True], ids=["pages", "fp8-pages"])
+def test_decode_rows_kernel_matches_torch(monkeypatch, fp8, window):
+    """DECODE_ROWS "rows": decodes with one query per KV head run in _decode_rows_kernel
+    (float32 sums on the CUDA cores), prefill rows of the same launch in the general
+    kernel; both as the torch reference computes them, over plain and fp8 pages."""
+    monkeypatch.setattr(TritonPagedAttention, "DECODE_ROWS", "rows")
+    monkeypatch.setattr(TritonPagedAttention, "DECODE_ROWS_LAUNCH", {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    seqs = [(1, 1), (1, 17), (1, 300), (1, 64), (9, 40)]
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, 4, 4, 64, 16, dtype, seed=7)
+    q, k, v = (x.to(DEV) for x in (q, k, v))
+    kc, vc = kc.to(DEV), vc.to(DEV)
+    kw = {}
+    if fp8:
+        fp8_t = torch.float8_e4m3fn
+        k = k.float().to(fp8_t).float().to(dtype)  # values e4m3 holds exactly (see above)
+        v = v.float().to(fp8_t).float().to(dtype)
+        kc, vc = (kc * 0.7).to(fp8_t), (vc * 0.7).to(fp8_t)
+        kw = {"k_scale": 0.5, "v_scale": 2.0}
+        k, v = k * 0.5, v * 2.0
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(1), DEV)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref = TorchPagedAttention.forward(q.float(), k.float(), v.float(), ref_k if fp8 else ref_k.float(),
+                                      ref_v if fp8 else ref_v.float(), meta, 0.125, sliding_window=window, **kw)
+    out = TritonPagedAttention.forward(q, k, v, kc, vc, meta, 0.125, sliding_window=window, **kw)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 def test_padding_rows_write_nothing():
     kc = torch.zeros(4, 8, 2, 32, device=DEV)
     vc = torch.zeros_like(kc)

@@ -207,6 +207,68 @@ def _paged_attention_kernel(
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _decode_rows_kernel(Q, KC, VC, Out, block_tables, q_starts, ctx_lens, scale_log2, v_scale, window,
+                        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+                        stride_bt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, FP8: tl.constexpr, WINDOW: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Decode attention for one query row a (sequence, head) program, on the CUDA cores: with
+    one query per KV head (GROUP 1: Llama-2, MHA models) the tensor-core tile of the general
+    kernel holds 1 real row in 16 and its operands go through shared memory; here q . k and
+    p . v are float32 multiply-and-sums over the head's values as they are loaded."""
+    if PDL:
+        tok = wait()
+        Q += tok
+        KC += tok
+        VC += tok
+        block_tables += tok
+        q_starts += tok
+        ctx_lens += tok
+        launch_dependents()
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx = tl.load(ctx_lens + seq)
+    row = tl.load(q_starts + seq).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + row * stride_qt + head * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
+    q = q * scale_log2  # scores in the log2 domain (k_scale included for fp8 pages)
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    kv_start = 0
+    if WINDOW:
+        kv_start = tl.maximum(ctx - window, 0) // BLOCK_N * BLOCK_N
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(kv_start, ctx, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < ctx
+        if WINDOW:
+            n_ok &= n > ctx - 1 - window
+        page = tl.load(table + n // PAGE, mask=n < ctx, other=0).to(tl.int64)
+        base = page * stride_cb + (n % PAGE) * stride_cs + head * stride_ch
+        mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(KC + base[:, None] + d[None, :], mask=mask, other=0.0)
+        if FP8:
+            k = k.to(tl.float16)
+        s = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        s = tl.where(n_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp2(s - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        v = tl.load(VC + base[:, None] + d[None, :], mask=mask, other=0.0)
+        if FP8:
+            v = v.to(tl.float16)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)
+    if FP8:
+        out = out * v_scale
+    tl.store(Out + row * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
 def _prefill_setting(default_m: int, default: dict) -> tuple[int, dict]:
     """The prefill tile (queries x heads per tile, keys per block, warps, stages): the
     tuned default, or PAGEDLLM_PREFILL_LAUNCH="BLOCK_M,BLOCK_N,warps,stages" to try another
@@ -244,12 +306,23 @@ class TritonPagedAttention:
     # Over fp8 pages a key block of 128 is fastest (H100, benchmarks/attn_decode_bench.py:
     # 450 us against 461 at 64, for 256 x 512 keys on the Llama-2-7B shape; bf16 pages: 720).
     DECODE_LAUNCH_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    # Decodes with one query per KV head (GROUP 1) and no ALiBi / soft-cap / sinks: "dot"
+    # runs them in the general tensor-core kernel, "rows" in _decode_rows_kernel (float32
+    # sums on the CUDA cores). "dot" until benchmarks/attn_decode_bench.py shows otherwise.
+    DECODE_ROWS = "dot"
+    DECODE_ROWS_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     BLOCK_M_PREFILL, PREFILL_LAUNCH = _prefill_setting(64, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
 
     @classmethod
     def tile_q(cls, group: int) -> int:
         """Queries per prefill tile for a GQA group size (the runner cuts tiles with it)."""
         return max(1, cls.BLOCK_M_PREFILL // group)
+
+    @classmethod
+    def _rows_decode(cls, group: int, q, alibi_slopes, logits_soft_cap, sinks, causal: bool) -> bool:
+        """Whether this launch's decodes go to _decode_rows_kernel (DECODE_ROWS "rows")."""
+        return (cls.DECODE_ROWS == "rows" and group == 1
+                and alibi_slopes is None and logits_soft_cap is None and sinks is None and causal)
 
     @staticmethod
     def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -300,7 +373,15 @@ class TritonPagedAttention:
                                         sliding_window, k_scale, v_scale, logits_soft_cap, sinks,
                                         causal)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
-        if meta.num_decode:
+        if meta.num_decode and cls._rows_decode(group, q, alibi_slopes, logits_soft_cap, sinks, causal):
+            _decode_rows_kernel[(meta.num_decode, hkv)](
+                q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.ctx_len,
+                common["scale_log2"], common["v_scale"], common["window"], *q.stride()[:2],
+                *out.stride()[:2], *k_cache.stride()[:3], meta.block_tables.stride(0),
+                HEAD_DIM=q.shape[2], BLOCK_D=common["BLOCK_D"], PAGE=common["PAGE"], FP8=common["FP8"],
+                WINDOW=common["WINDOW"], PDL=common["PDL"],
+                **({"launch_pdl": True} if common["PDL"] else {}), **cls.DECODE_ROWS_LAUNCH)
+        elif meta.num_decode:
             _paged_attention_kernel[(meta.num_decode, hkv)](
                 *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=max(16, _pow2(group)),
                 DIRECT=True, **common,
