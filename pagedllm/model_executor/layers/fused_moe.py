@@ -67,14 +67,17 @@ def _align_cap(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-cap // block_m) * block_m
 
 
-def _align_buffers(pairs: int, num_experts: int, block_m: int, device) -> tuple[int, tuple[torch.Tensor, ...]]:
-    """(the padded length, and the empty buffers the one-program alignment fills: sorted
-    ids, expert per block, rows used, an expert-sized scratch)."""
+def _align_buffers(pairs: int, num_experts: int, block_m: int, device) -> tuple[int, tuple[torch.Tensor, ...], dict]:
+    """(the padded length; the empty buffers the one-program alignment fills: sorted ids,
+    expert per block, rows used, an expert-sized scratch; and _align_body's block sizes)."""
     cap = _align_cap(pairs, num_experts, block_m)
-    return cap, (torch.empty(cap, dtype=torch.int32, device=device),
-                 torch.empty(cap // block_m, dtype=torch.int32, device=device),
-                 torch.empty(1, dtype=torch.int32, device=device),
-                 torch.empty(_pow2(num_experts + 1), dtype=torch.int32, device=device))
+    eb = _pow2(num_experts + 1)
+    buffers = (torch.empty(cap, dtype=torch.int32, device=device),
+               torch.empty(cap // block_m, dtype=torch.int32, device=device),
+               torch.empty(1, dtype=torch.int32, device=device),
+               torch.empty(eb, dtype=torch.int32, device=device))
+    return cap, buffers, {"BM": block_m, "PB": max(16, _pow2(pairs)), "EB": eb,
+                          "NB": max(16, _pow2(cap // block_m))}
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
@@ -87,10 +90,10 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
     if one_kernel is None:
         one_kernel = triton is not None and ids.is_cuda and pairs <= SMALL_PAIRS
     if one_kernel:
-        cap, (sorted_ids, block_expert, used, scratch) = _align_buffers(pairs, num_experts, block_m, ids.device)
+        cap, (sorted_ids, block_expert, used, scratch), sizes = _align_buffers(pairs, num_experts, block_m,
+                                                                                ids.device)
         _align_small_kernel[(1,)](ids.reshape(-1), sorted_ids, block_expert, used, scratch, pairs,
-                                  num_experts, cap, BM=block_m, PB=max(16, _pow2(pairs)),
-                                  EB=scratch.numel(), NB=max(16, _pow2(cap // block_m)), num_warps=8)
+                                  num_experts, cap, **sizes, num_warps=8)
         return sorted_ids, block_expert, used
     return _align_with_torch(ids, num_experts, block_m, _align_cap(pairs, num_experts, block_m))
 
@@ -390,11 +393,10 @@ def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: in
     weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=dev)
     pairs = tokens * top_k
-    cap, (sorted_ids, block_expert, used, scratch) = _align_buffers(pairs, experts, block_m, dev)
+    cap, (sorted_ids, block_expert, used, scratch), sizes = _align_buffers(pairs, experts, block_m, dev)
     _route_align_kernel[(1,)](logits, weights, ids, sorted_ids, block_expert, used, scratch, tokens,
                               experts, logits.stride(0), cap, K=top_k, TB=max(2, _pow2(tokens)),
-                              EB=scratch.numel(), RENORM=renormalise, BM=block_m,
-                              PB=max(16, _pow2(pairs)), NB=max(16, _pow2(cap // block_m)), num_warps=8)
+                              RENORM=renormalise, **sizes, num_warps=8)
     return weights, ids, (sorted_ids, block_expert, used)
 
 

@@ -161,14 +161,16 @@ class SparseMoeBlock(nn.Module):
             y = y + self.b2[:, None, :]
         return torch.einsum("eth,te->th", y.to(combine.dtype), combine).to(x.dtype)
 
-    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    config: dict | None = None, aligned: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """This rank's part of the weighted sum of the chosen experts (not yet all-reduced):
-        fused kernels on CUDA, else the sparse loop (the dense form inside a CUDA graph)."""
+        fused kernels on CUDA, else the sparse loop (the dense form inside a CUDA graph).
+        `config` / `aligned`: the tiles and the pairs route_align already laid out for them."""
         if fused_moe.available(x):
             swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
-            return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids,
+            return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids, config=config,
                                            invariant=batch_invariant.is_enabled(), b13=self.b13,
-                                           b2=self.b2, swiglu=swiglu)
+                                           b2=self.b2, swiglu=swiglu, aligned=aligned)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         return (self.experts_dense if capturing else self.experts_sparse)(x, weights, ids)
 
@@ -184,9 +186,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids, aligned = fused_moe.route_align(self.gate(x), self.top_k, self.norm_topk_prob, cfg["BM"])
         if not self.weights_in_fp32:
             weights = weights.to(x.dtype)
-        swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
-        return fused_moe.fused_experts(x, self.w13, self.w2, weights, ids, config=cfg, b13=self.b13,
-                                       b2=self.b2, swiglu=swiglu, aligned=aligned)
+        return self.run_experts(x, weights, ids, cfg, aligned)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._route_align_experts(x)
