@@ -85,9 +85,15 @@ def decode_metadata(runner, batch: int, ctx: int):
         host_ctx_len=np.full(batch, ctx, np.int32))
 
 
-def engine_ms_per_step(path: str, w, batch: int, out_len: int, eager: bool) -> float:
-    llm = LLM(model=path, load_format="dummy", dtype=str(DTYPE).removeprefix("torch."), skip_tokenizer_init=True, device=DEV,
-              enforce_eager=eager, max_num_seqs=batch, gpu_memory_utilization=0.25)
+def make_engine(path: str, batch: int, eager: bool) -> LLM:
+    """An engine on the workload's shape (a quarter of the GPU: two may be alive at once)."""
+    return LLM(model=path, load_format="dummy", dtype=str(DTYPE).removeprefix("torch."),
+               skip_tokenizer_init=True, device=DEV, enforce_eager=eager, max_num_seqs=batch,
+               gpu_memory_utilization=0.25)
+
+
+def engine_ms_per_step(path: str, batch: int, out_len: int, eager: bool) -> float:
+    llm = make_engine(path, batch, eager)
     vocab = llm.engine.executor.vocab_size
     data = random_dataset(batch, (128, 128), (out_len, out_len), vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in data.prompts]
@@ -96,7 +102,7 @@ def engine_ms_per_step(path: str, w, batch: int, out_len: int, eager: bool) -> f
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t
-    llm.engine.shutdown() if hasattr(llm.engine, "shutdown") else None
+    llm.engine.shutdown()
     del llm
     if DEV == "cuda":
         torch.cuda.empty_cache()
@@ -106,8 +112,7 @@ def engine_ms_per_step(path: str, w, batch: int, out_len: int, eager: bool) -> f
 def layer_pieces(path: str, args) -> dict[str, float]:
     """Host microseconds of the first decoder layer's pieces, one eager engine's model."""
     rows: dict[str, float] = {}
-    llm = LLM(model=path, load_format="dummy", dtype=str(DTYPE).removeprefix("torch."), skip_tokenizer_init=True, device=DEV,
-              enforce_eager=True, max_num_seqs=args.batch, gpu_memory_utilization=0.25)
+    llm = make_engine(path, args.batch, eager=True)
     runner = llm.engine.executor.runner
     model = runner.model
     layer = model.model.layers[0]
@@ -179,7 +184,7 @@ def main() -> None:
 
     steps = {}
     for eager in (True, False):
-        steps["eager" if eager else "graphs"] = engine_ms_per_step(path, w, args.batch, args.out_len, eager)
+        steps["eager" if eager else "graphs"] = engine_ms_per_step(path, args.batch, args.out_len, eager)
 
     print(f"\n== host cost per call, {args.workload} shape, batch {args.batch} ({device_name()})")
     for name, us in rows.items():
