@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -15,6 +17,17 @@ except ImportError:  # CI's run of the pure-Python core tests has no torch insta
 sys.path.insert(0, os.path.dirname(__file__))
 if torch is not None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# pagedllm's cache (converted GGUF tokenizers) goes to a directory of this test run, not the
+# user's: set here, at import, so that the servers the tests start inherit it.
+_CACHE_DIR = None
+if "PAGEDLLM_CACHE_DIR" not in os.environ:
+    _CACHE_DIR = os.environ["PAGEDLLM_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedllm-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,6 +21,7 @@ import torch
 from pagedllm.distributed import get_tp_world_size
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
 from pagedllm.model_executor.layers.quantization.gguf import PACKABLE_TYPES
+from pagedllm.model_executor.loader.gguf_header import GGUFHeader
 
 # GGUF architecture -> (HF architecture, q/k rows permuted by the converter)
 _ARCHS = {
@@ -58,16 +59,13 @@ _GLOBAL_NAMES = {
 
 
 @functools.lru_cache(maxsize=2)
-def _reader(path: str):
-    """Parsing the header (tens of thousands of vocabulary entries) takes seconds: once."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def _reader(path: str) -> GGUFHeader:
+    """The header, read once per process (gguf_header.py says why not with GGUFReader)."""
+    return GGUFHeader(path)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFHeader, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def gguf_config(path: str):
@@ -86,7 +84,7 @@ def gguf_config(path: str):
     heads = key("attention.head_count")
     hidden = key("embedding_length")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = key("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    vocab = key("vocab_size") or (len(tokens) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
     kwargs = dict(
         architectures=[hf_arch],
