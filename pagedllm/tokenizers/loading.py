@@ -118,5 +118,5 @@ def _save_atomically(tokenizer, cache: str) -> None:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    except OSError as e:  # read-only home, full disk, or another process won the rename
+    except Exception as e:  # read-only home, full disk, a race lost: the cache is only a speed-up
         logger.debug("tokenizer cache %s not written: %s", cache, e)
