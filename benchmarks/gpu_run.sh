@@ -16,7 +16,8 @@
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
-# lora-profile: gpu-7b's kernels without and with one adapter on every prompt.
+# lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
+#   gpu-7b's kernels without and with one adapter on every prompt.
 # prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
 # profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
 # kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
@@ -341,8 +342,11 @@ lora)
     timeout 420 python3 benchmarks/lora_bench.py --output-json "$OUT/gpu-7b-lora.json" 2>&1 | tail -16
     ;;
 lora-profile)
-    # gpu-7b under the profiler without and with one rank-16 adapter on every prompt (lora1):
-    # which kernels the adapter's ~12% goes to.
+    # The LoRA kernels alone on one layer, per launch setting (a minute or two of compiles);
+    # then gpu-7b under the profiler without and with one rank-16 adapter on every prompt
+    # (lora1): which kernels the adapter's ~12% goes to.
+    timeout "$(cap 240)" python3 benchmarks/lora_kernel_bench.py --json "$OUT/lora-kernels.json" 2>&1 \
+        | grep -v Warning | tail -45
     timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-7b --top 14 \
         --json "$OUT/profile-gpu-7b.json" 2>&1 | grep -v "USDT\|Warning" | tail -15
     timeout "$(cap 240)" python3 benchmarks/profile_kernels.py --workload gpu-7b --lora 16 --top 20 \

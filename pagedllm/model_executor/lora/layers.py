@@ -31,10 +31,16 @@ if TYPE_CHECKING:
     from pagedllm.model_executor.layers.linear import LinearBase
 
 
+# Token rows per tile in steps of up to 256 rows (decodes). A module setting so that
+# benchmarks/lora_kernel_bench.py can sweep it; read when a LoRABatch is bound, so it must
+# not change while an engine runs (its CUDA graphs keep the tiles they were captured with).
+DECODE_BLOCK_M = 16
+
+
 def lora_block_m(num_rows: int) -> int:
     """Token rows per tile of the LoRA kernels for a step of `num_rows` rows (small tiles
     for decode steps, larger ones for prefills); the tile table is cut with it."""
-    return 16 if num_rows <= 256 else 64
+    return DECODE_BLOCK_M if num_rows <= 256 else 64
 
 
 class LoRABatch:

@@ -105,6 +105,12 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+# Launch settings, module-level so that benchmarks/lora_kernel_bench.py can sweep them: the
+# most K slices a decode step's shrink is split into, and the output columns per expand tile.
+SHRINK_MAX_SPLIT_K = 16
+EXPAND_BLOCK_N = 128
+
+
 def _pow2(n: int, lo: int = 16, hi: int = 128) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
 
@@ -118,7 +124,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     bm, bn, bk = batch.block_m, _pow2(r, hi=64), 64 if m > 256 else 128
     # Few tokens make few tiles (one per 16 tokens of a slot): the long K is split over
     # programs too, so that a decode step's shrink fills the GPU.
-    split_k = max(1, min(16, k // (4 * bk))) if m <= 256 else 1
+    split_k = max(1, min(SHRINK_MAX_SPLIT_K, k // (4 * bk))) if m <= 256 else 1
     k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
     h = torch.empty((split_k, m, r), dtype=torch.float32, device=x.device)
     n_tiles = triton.cdiv(r, bn)
@@ -135,7 +141,7 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, batch: LoRABa
     h [S, M, R] float32 (`lora_shrink`'s slices), b [L, N, R], y [M, N]."""
     splits, _, r = h.shape
     _, n, _ = b.shape
-    bm, bn, bk = batch.block_m, 128, _pow2(r, hi=64)
+    bm, bn, bk = batch.block_m, EXPAND_BLOCK_N, _pow2(r, hi=64)
     n_tiles = triton.cdiv(n, bn)
     grid = (batch.tile_slot.numel() * n_tiles,)
     _expand_kernel[grid](h, b, y, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
