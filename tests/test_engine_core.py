@@ -113,6 +113,25 @@ def _spawned_children(pid: int) -> list[int]:
             if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
 
 
+def test_a_core_that_cannot_start_says_why_and_exits_by_itself(tiny_path):
+    """The front end reads its config while the core process starts (AsyncLLM._start_core):
+    a setting the model cannot take fails there with the engine's own error, and the core,
+    which resolves the same config, ends by itself (exit code 1, not killed after a hang in
+    its exit) and leaves no process behind."""
+    from pagedllm.engine.async_engine import AsyncLLM
+    from pagedllm.engine.core_client import MPClient
+
+    bad = EngineConfig(model=tiny_path, max_model_len=100_000)
+    client = MPClient(bad, lambda outputs: [], 1, lambda why: None, wait=False)
+    with pytest.raises(RuntimeError, match="max_model_len 100000 exceeds the model's 512"):
+        client.wait_ready()
+    client.shutdown()
+    assert client.proc.exitcode == 1
+    with pytest.raises(ValueError, match="max_model_len 100000 exceeds the model's 512"):
+        AsyncLLM(bad)
+    assert _spawned_children(os.getpid()) == []
+
+
 def test_the_server_runs_its_core_in_a_process_of_its_own(server):
     (core,) = _spawned_children(server.proc.pid)
     with open(f"/proc/{core}/maps") as f:  # the KV pool is mapped by the core, not the server

@@ -34,6 +34,7 @@ from pagedllm.engine.messages import AbortRequests, AddRequest, EngineCoreOutput
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
+from pagedllm.model_source import resolve_source
 from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -67,10 +68,7 @@ def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False, max_step_failures: int = 3):
-        self.config, _, hf_config = load_model_config(config)  # resolved once, here
         self.max_step_failures = max_step_failures
-        self.metrics = EngineMetrics(self.config.model_name,
-                                     self.config.max_loras if self.config.enable_lora else 0)
         self._lock = threading.Lock()  # the output processor and the streams
         self._streams: dict[str, _Stream] = {}
         self._dead: EngineDeadError | None = None  # set once the engine has stopped
@@ -78,10 +76,12 @@ class AsyncLLM:
         self._stats: SchedulerStats | None = None
         self.output_processor: OutputProcessor | None = None
         if in_process:
+            self.config, _, hf_config = load_model_config(config)
             self.client = InprocClient(self.config, self._on_core_outputs, max_step_failures)
         else:
-            self.client = MPClient(self.config, self._on_core_outputs, max_step_failures,
-                                   self._on_core_death)
+            self.config, hf_config = self._start_core(config)
+        self.metrics = EngineMetrics(self.config.model_name,
+                                     self.config.max_loras if self.config.enable_lora else 0)
         try:
             self.tokenizer, self.processor = load_frontend(self.config, self.client.info, hf_config)
         except BaseException:
@@ -92,6 +92,36 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())
         self.max_model_len = self.config.max_model_len
+
+    def _start_core(self, config: EngineConfig) -> tuple[EngineConfig, object]:
+        """Start the core's process, then read the model's config here while it loads: the
+        imports behind transformers' config classes take seconds in each process, and they
+        now overlap. Both processes resolve the same EngineConfig from the same files and
+        settings (load_model_config); the checkpoint is located (downloaded, for a hub id)
+        once, here, before the core starts."""
+        source = resolve_source(config.model, config.load_format, config.revision,
+                                config.download_dir)
+        self.client = MPClient(config, self._on_core_outputs, self.max_step_failures,
+                               self._on_core_death, wait=False)
+        try:
+            resolved, _, hf_config = load_model_config(config, source)
+        except BaseException:
+            # The core resolves the same config and fails the same way: let it end its start
+            # (it reads no command before), then stop it.
+            with contextlib.suppress(BaseException):
+                self.client.wait_ready()
+            self.client.shutdown()
+            raise
+        try:
+            info = self.client.wait_ready()
+        except BaseException:
+            self.client.shutdown()
+            raise
+        if info.max_model_len != resolved.max_model_len:  # a difference would be a bug
+            self.client.shutdown()
+            raise RuntimeError(f"the engine core resolved max_model_len {info.max_model_len}, "
+                               f"the front end {resolved.max_model_len}")
+        return resolved, hf_config
 
     # ------------------------------------------------------------------ public
     @property

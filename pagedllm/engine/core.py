@@ -41,10 +41,13 @@ class StepError(RuntimeError):
         self.request_ids = request_ids
 
 
-def load_model_config(config: EngineConfig) -> tuple[EngineConfig, ModelSource, object]:
-    """The checkpoint's location and config, and the engine config resolved against them."""
-    source = resolve_source(config.model, config.load_format, config.revision,
-                            config.download_dir)
+def load_model_config(config: EngineConfig, source: ModelSource | None = None,
+                      ) -> tuple[EngineConfig, ModelSource, object]:
+    """The checkpoint's location (`source`, when already resolved) and config, and the
+    engine config resolved against them."""
+    if source is None:
+        source = resolve_source(config.model, config.load_format, config.revision,
+                                config.download_dir)
     hf_config = load_hf_config(source)
     for name, value in config.hf_overrides.items():  # as vLLM's hf_overrides: config attributes
         setattr(hf_config, name, value)

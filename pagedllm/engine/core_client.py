@@ -194,6 +194,7 @@ def core_process_main(config: EngineConfig, in_addr: str, out_addr: str, parent_
         logger.debug("engine core failed to start", exc_info=True)
         results.send_multipart([b"error", f"{type(e).__name__}: {e}".encode()])
         results.close()
+        commands.close(linger=0)  # ctx.term() waits for every socket: an open one hangs the exit
         ctx.term()
         sys.exit(1)
     results.send_multipart([b"ready", encoder.encode(core.info())])
@@ -247,7 +248,9 @@ class MPClient:
     `on_death` is called with the exit code and the front end fails everyone."""
 
     def __init__(self, config: EngineConfig, handler: OutputHandler, max_step_failures: int,
-                 on_death: Callable[[str], None]):
+                 on_death: Callable[[str], None], wait: bool = True):
+        """`wait=False` returns once the process is started; `wait_ready` then waits for the
+        model to load (the front end reads its own config meanwhile)."""
         import multiprocessing as mp
 
         import zmq
@@ -275,16 +278,27 @@ class MPClient:
                   logging.getLogger().getEffectiveLevel()))
         self.proc.start()
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._commands, self._tmpdir)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._reader: threading.Thread | None = None
+        self.info: CoreInfo | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> CoreInfo:
+        """Until the core has loaded the model and sent its CoreInfo; then its outputs are
+        read and its process watched. Raises if it failed to start (and stops it)."""
+        if self.info is not None:
+            return self.info
         try:
             self.info = self._wait_ready()
         except BaseException:
             self._stopping = True
             self._finalizer()
             raise
-        self._encoder = msgspec.msgpack.Encoder()
         self._reader = threading.Thread(target=self._read, name="pagedllm-core-outputs", daemon=True)
         self._reader.start()
         threading.Thread(target=self._watch, name="pagedllm-core-watch", daemon=True).start()
+        return self.info
 
     def _wait_ready(self) -> CoreInfo:
         import zmq
@@ -356,7 +370,10 @@ class MPClient:
         self._stopping = True
         self._finalizer()
         self._closed = True
-        self._reader.join(timeout=5)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        else:  # never ready: no reader owns the outputs socket
+            self._outputs.close(linger=0)
         with self._send_lock:
             self._commands.close(linger=0)
         self._ctx.term()
