@@ -122,7 +122,7 @@ def test_a_core_that_cannot_start_says_why_and_exits_by_itself(tiny_path):
     from pagedllm.engine.core_client import MPClient
 
     bad = EngineConfig(model=tiny_path, max_model_len=100_000)
-    client = MPClient(bad, lambda outputs: [], 1, lambda why: None, wait=False)
+    client = MPClient(bad, lambda outputs: [], 1, lambda why: None)
     with pytest.raises(RuntimeError, match="max_model_len 100000 exceeds the model's 512"):
         client.wait_ready()
     client.shutdown()

@@ -102,7 +102,7 @@ class AsyncLLM:
         source = resolve_source(config.model, config.load_format, config.revision,
                                 config.download_dir)
         self.client = MPClient(config, self._on_core_outputs, self.max_step_failures,
-                               self._on_core_death, wait=False)
+                               self._on_core_death)
         try:
             resolved, _, hf_config = load_model_config(config, source)
         except BaseException:

@@ -248,9 +248,9 @@ class MPClient:
     `on_death` is called with the exit code and the front end fails everyone."""
 
     def __init__(self, config: EngineConfig, handler: OutputHandler, max_step_failures: int,
-                 on_death: Callable[[str], None], wait: bool = True):
-        """`wait=False` returns once the process is started; `wait_ready` then waits for the
-        model to load (the front end reads its own config meanwhile)."""
+                 on_death: Callable[[str], None]):
+        """Returns once the process is started; `wait_ready` waits for the model to load
+        (the front end reads its own config meanwhile)."""
         import multiprocessing as mp
 
         import zmq
@@ -281,8 +281,6 @@ class MPClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._reader: threading.Thread | None = None
         self.info: CoreInfo | None = None
-        if wait:
-            self.wait_ready()
 
     def wait_ready(self) -> CoreInfo:
         """Until the core has loaded the model and sent its CoreInfo; then its outputs are
