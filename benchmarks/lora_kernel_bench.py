@@ -5,10 +5,11 @@ One Llama-2-7B layer's four linear layers (qkv, o, gate_up, down; rank-16 adapte
 4 slots), captured in a CUDA graph as a decode step replays them: the base products alone,
 then with each layer's shrink + expand. Steps: 256 decode rows all on one adapter (the
 lora1 workload), 256 rows over four adapters, 64 rows on one, and an 8,192-row prefill
-chunk on one. Swept: DECODE_BLOCK_M (token rows per tile in decodes), SHRINK_MAX_SPLIT_K
-and EXPAND_BLOCK_N (pagedllm/model_executor/lora). Each setting's delta is first checked
-against lora_delta_torch in float32. Prints microseconds per layer and the share the LoRA
-kernels add to the base products; the defaults are marked.
+chunk on one. Swept: DECODE_BLOCK_M (token rows per tile in decodes), SHRINK_MAX_SPLIT_K,
+EXPAND_BLOCK_N and EXPAND_MAX_GROUP (pagedllm/model_executor/lora). Each setting's delta is
+first checked against lora_delta_torch in float32. Prints microseconds per layer and the
+share the LoRA kernels add to the base products (the defaults are marked), then, at the
+defaults, what the shrinks alone add and what the expands add on top of them.
 
     python benchmarks/lora_kernel_bench.py [--json F]
     TRITON_INTERPRET=1 python benchmarks/lora_kernel_bench.py --tiny   # CPU check of the script
@@ -34,7 +35,7 @@ LINEARS = {"qkv": (4096, 12288, 3), "o": (4096, 4096, 1), "gate_up": (4096, 2201
 RANK, SLOTS = 16, 4
 STEPS = {"decode256-1adapter": (256, 1), "decode256-4adapters": (256, 4),
          "decode64-1adapter": (64, 1), "prefill8192-1adapter": (8192, 1)}
-DECODE_SETTINGS = list(itertools.product((16, 32, 64), (4, 16), (128, 256)))
+DECODE_SETTINGS = list(itertools.product((16, 32), (8, 16), (64, 128), (1, 4, 8)))
 
 
 def graph_time(fn, replays: int = 100) -> float:
@@ -72,7 +73,7 @@ def main() -> None:
     if args.tiny:
         LINEARS = {name: (k // 64, n // 64, s) for name, (k, n, s) in LINEARS.items()}
         STEPS = {"decode16-1adapter": (16, 1), "decode24-4adapters": (24, 4), "prefill300-1adapter": (300, 1)}
-        DECODE_SETTINGS = [(16, 16, 128), (32, 4, 64)]
+        DECODE_SETTINGS = [(16, 16, 128, 4), (32, 4, 64, 1)]
     cuda = torch.cuda.is_available()
     dev, dt = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
@@ -82,11 +83,13 @@ def main() -> None:
         r = shards * RANK
         lora[name] = (torch.randn(SLOTS, r, k, generator=g, device=dev, dtype=dt) / k**0.5,
                       torch.randn(SLOTS, n, r, generator=g, device=dev, dtype=dt) / r**0.5)
-    defaults = (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N)
+    defaults = (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N,
+                triton_ops.EXPAND_MAX_GROUP)
     rows = []
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"LoRA kernels on one Llama-2-7B layer, rank {RANK}, {SLOTS} slots ({device_name})")
-    print(f"{'step':22s} {'BM':>3s} {'splitK':>6s} {'BN':>4s} {'base us':>8s} {'+LoRA us':>9s} {'added':>7s} {'err':>8s}")
+    print(f"{'step':22s} {'BM':>3s} {'splitK':>6s} {'BN':>4s} {'group':>5s} {'base us':>8s} "
+          f"{'+LoRA us':>9s} {'added':>7s} {'err':>8s}")
     for step, (m, adapters) in STEPS.items():
         xs = {name: torch.randn(m, k, generator=g, device=dev, dtype=dt) for name, (k, _, _) in LINEARS.items()}
         ys = {name: torch.empty(m, n, device=dev, dtype=dt) for name, (_, n, _) in LINEARS.items()}
@@ -103,10 +106,18 @@ def main() -> None:
                 a, b = lora[name]
                 triton_ops.lora_expand(triton_ops.lora_shrink(xs[name], a, batch), b, ys[name], batch)
 
+        def shrinks_only(xs=xs, batch=batch, base=base) -> None:
+            base()
+            for name in LINEARS:
+                triton_ops.lora_shrink(xs[name], lora[name][0], batch)
+
         base_us = graph_time(base)
-        settings = DECODE_SETTINGS if m <= 256 else [(defaults[0], defaults[1], bn) for bn in (64, 128, 256)]
-        for bm, split, bn in settings:
-            lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N = bm, split, bn
+        settings = (DECODE_SETTINGS if m <= 256 else
+                    [(defaults[0], defaults[1], bn, g) for bn in (64, 128, 256) for g in (1, defaults[3])])
+        for setting in settings:
+            bm, split, bn, group = setting
+            (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N,
+             triton_ops.EXPAND_MAX_GROUP) = setting
             batch.set(slots, m)
             if cuda:
                 torch.cuda.synchronize()
@@ -118,22 +129,28 @@ def main() -> None:
                 want = lora_delta_torch(xs[name].float(), a.float(), b.float(), batch.token_slot)
                 err = max(err, ((got.float() - want).norm() / want.norm()).item())
             if err > 2e-2:
-                raise AssertionError(f"{step} BM {bm} split {split} BN {bn}: relative error {err:.1e}")
+                raise AssertionError(f"{step} {setting}: relative error {err:.1e}")
             lora_us = graph_time(with_lora)
-            mark = " *" if (bm, split, bn) == defaults or (m > 256 and bn == defaults[2]) else ""
-            print(f"{step:22s} {bm:3d} {split:6d} {bn:4d} {base_us:8.1f} {lora_us:9.1f} "
-                  f"{(lora_us - base_us) / base_us:7.1%} {err:8.1e}{mark}")
-            rows.append({"step": step, "rows": m, "adapters": adapters, "block_m": bm,
-                         "shrink_max_split_k": split, "expand_block_n": bn,
-                         "base_us": round(base_us, 2), "with_lora_us": round(lora_us, 2),
-                         "added": round((lora_us - base_us) / base_us, 4), "rel_err": err,
-                         "default": bool(mark)})
-    lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N = defaults
+            default = setting == defaults or (m > 256 and (bn, group) == defaults[2:])
+            row = {"step": step, "rows": m, "adapters": adapters, "block_m": bm,
+                   "shrink_max_split_k": split, "expand_block_n": bn, "expand_max_group": group,
+                   "base_us": round(base_us, 2), "with_lora_us": round(lora_us, 2),
+                   "added": round((lora_us - base_us) / base_us, 4), "rel_err": err, "default": default}
+            if default:  # the shrinks' share of what LoRA adds (the expands: the rest)
+                row["shrinks_us"] = round(graph_time(shrinks_only) - base_us, 2)
+                row["expands_us"] = round(lora_us - base_us - row["shrinks_us"], 2)
+            print(f"{step:22s} {bm:3d} {split:6d} {bn:4d} {group:5d} {base_us:8.1f} {lora_us:9.1f} "
+                  f"{(lora_us - base_us) / base_us:7.1%} {err:8.1e}{' *' if default else ''}")
+            rows.append(row)
+    (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N,
+     triton_ops.EXPAND_MAX_GROUP) = defaults
     for step in STEPS:
         mine = [r for r in rows if r["step"] == step]
         best, default = min(mine, key=lambda r: r["with_lora_us"]), next(r for r in mine if r["default"])
-        print(f"{step}: default adds {default['added']:.1%}, best (BM {best['block_m']}, split "
-              f"{best['shrink_max_split_k']}, BN {best['expand_block_n']}) adds {best['added']:.1%}")
+        print(f"{step}: default adds {default['added']:.1%} (shrinks {default['shrinks_us']} us, expands "
+              f"{default['expands_us']} us a layer), best (BM {best['block_m']}, split "
+              f"{best['shrink_max_split_k']}, BN {best['expand_block_n']}, group "
+              f"{best['expand_max_group']}) adds {best['added']:.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "lora_kernels", "device": device_name,

@@ -195,15 +195,17 @@ def test_block_hashes_depend_on_adapter():
 
 
 def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 only: int | None = None):
+                 only: int | None = None, r: int = 24, n: int = 70, block_n: int | None = None):
     """The kernels against the torch path (in float32), and that against a per-token loop.
     `only`: every token on that one slot (-1: none has an adapter; the tile table is then
-    all unused entries)."""
+    all unused entries). `block_n`: the expand's output tile width for this case (narrow
+    tiles make several per program: the expand's grouping, a part-filled last group)."""
+    from pagedllm.model_executor.lora import triton_ops
     from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
     from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
 
     gen = torch.Generator().manual_seed(0)
-    slots_n, r, n = 3, 24, 70
+    slots_n = 3
     x = torch.randn(m, k, generator=gen) / k**0.5
     a, b = torch.randn(slots_n, r, k, generator=gen), torch.randn(slots_n, n, r, generator=gen)
     slots = np.random.default_rng(0).integers(-1, slots_n, m).astype(np.int32)
@@ -213,7 +215,15 @@ def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch
     batch.set(slots, m)
     base = torch.randn(m, n, generator=gen)
     dev = [t.to(device, dtype) for t in (x, a, b, base)]
-    y = lora_expand(lora_shrink(dev[0], dev[1], batch), dev[2], dev[3].clone(), batch).cpu().float()
+    default_bn = triton_ops.EXPAND_BLOCK_N
+    triton_ops.EXPAND_BLOCK_N = block_n or default_bn
+    try:
+        if block_n:  # the case does group output tiles
+            n_tiles = -(-n // block_n)
+            assert triton_ops.expand_group(batch.tile_slot.numel(), n_tiles, dev[0].device) > 1
+        y = lora_expand(lora_shrink(dev[0], dev[1], batch), dev[2], dev[3].clone(), batch).cpu().float()
+    finally:
+        triton_ops.EXPAND_BLOCK_N = default_bn
     ref = base + lora_delta_torch(x, a, b, batch.token_slot.cpu())
     assert torch.equal(y[slots < 0], dev[3].cpu().float()[slots < 0])  # base rows untouched
     tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -249,13 +259,16 @@ def _engine_triton_case(root: str) -> None:
 def test_triton_kernels_interpreted(tmp_path):
     """The shrink/expand kernels, run by Triton's interpreter on the CPU in float32, equal
     the torch path (a decode-sized step, whose K is split over programs, and a
-    prefill-sized one); and the whole engine on them (LoRABatch's grouped tokens, the
+    prefill-sized one; output tiles grouped per expand program, with a rank that fits one
+    K step and one that does not); and the whole engine on them (LoRABatch's grouped tokens, the
     layers' CUDA path) equals PEFT. In a subprocess: TRITON_INTERPRET is read when Triton
     is imported."""
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
             "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); "
             "test_lora._kernel_case(40, 64, only=2); test_lora._kernel_case(300, 64, only=-1); "
+            "test_lora._kernel_case(37, 1100, n=150, block_n=16); "
+            "test_lora._kernel_case(37, 300, r=80, n=150, block_n=16); "
             f"test_lora._engine_triton_case({str(tmp_path)!r}); print('ok')")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
@@ -265,9 +278,10 @@ def test_triton_kernels_interpreted(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, k", [(37, 4096), (300, 1100)])
-def test_triton_kernels_cuda_bf16(m, k):
-    _kernel_case(m, k, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("m, k, r, n, block_n", [(37, 4096, 24, 70, None), (300, 1100, 24, 70, None),
+                                                 (256, 4096, 48, 12288, 128), (256, 4096, 80, 8192, 128)])
+def test_triton_kernels_cuda_bf16(m, k, r, n, block_n):
+    _kernel_case(m, k, "cuda", torch.bfloat16, r=r, n=n, block_n=block_n)
 
 
 @pytest.mark.gpu

@@ -25,23 +25,20 @@ if TYPE_CHECKING:  # layers.py imports this module when a step runs (no cycle)
 
 
 @triton.jit
-def _tile(pid, tile_slot_ptr, tile_m_ptr, tok_ptr, cnt_ptr, start_ptr, N, N_TILES: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr):
-    """The tile a program owns, from the step's tile table (entry pid // N_TILES): its slot
-    (-1: an unused entry, the program has nothing to do), the token rows of that slot it
-    covers (from the slot's run of the sorted token list) with their mask, and the output
-    columns with theirs."""
-    slot = tl.load(tile_slot_ptr + pid // N_TILES)
+def _tile(pid, tile_slot_ptr, tile_m_ptr, tok_ptr, cnt_ptr, start_ptr, BM: tl.constexpr):
+    """The tile a program owns, from the step's tile table (entry `pid`): its slot (-1: an
+    unused entry, the program has nothing to do) and the token rows of that slot it covers
+    (from the slot's run of the sorted token list) with their mask."""
+    slot = tl.load(tile_slot_ptr + pid)
     # An unused entry (-1, -1) reads slot 0's first tile, in bounds; the caller returns.
-    m_tile = tl.maximum(tl.load(tile_m_ptr + pid // N_TILES), 0)
+    m_tile = tl.maximum(tl.load(tile_m_ptr + pid), 0)
     safe = tl.maximum(slot, 0)
     count = tl.load(cnt_ptr + safe)
     first = tl.load(start_ptr + safe)
     offs_m = m_tile * BM + tl.arange(0, BM)
     m_mask = offs_m < count
     rows = tl.load(tok_ptr + first + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = (pid % N_TILES) * BN + tl.arange(0, BN)
-    return slot, rows, m_mask, offs_n, offs_n < N
+    return slot, rows, m_mask
 
 
 @triton.jit
@@ -51,10 +48,13 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
                    SPLIT_K: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K
-    slot, rows, m_mask, offs_n, n_mask = _tile(pid // SPLIT_K, tile_slot_ptr, tile_m_ptr, tok_ptr,
-                                               cnt_ptr, start_ptr, N, N_TILES, BM, BN)
+    pid_mn = pid // SPLIT_K
+    slot, rows, m_mask = _tile(pid_mn // N_TILES, tile_slot_ptr, tile_m_ptr, tok_ptr, cnt_ptr,
+                               start_ptr, BM)
     if slot < 0:
         return
+    offs_n = (pid_mn % N_TILES) * BN + tl.arange(0, BN)
+    n_mask = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     a_base = a_ptr + slot.to(tl.int64) * sal
     k_end = tl.minimum(K, (pid_k + 1) * K_PER)
@@ -76,43 +76,103 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_ptr, tile_m_ptr,
-                   N, K, shs, shm, shk, sbl, sbn, sbk, sym, syn,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_TILES: tl.constexpr,
-                   SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    slot, rows, m_mask, offs_n, n_mask = _tile(tl.program_id(0), tile_slot_ptr, tile_m_ptr, tok_ptr,
-                                               cnt_ptr, start_ptr, N, N_TILES, BM, BN)
-    if slot < 0:
-        return
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    b_base = b_ptr + slot.to(tl.int64) * sbl
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        k_mask = offs_k < K
-        h_ptrs = h_ptr + rows[:, None] * shm + offs_k[None, :] * shk
-        ht = tl.load(h_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        for split in range(1, SPLITS):  # the shrink's K slices, summed in order
-            ht += tl.load(h_ptrs + split * shs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        bt = tl.load(b_base + offs_n[None, :] * sbn + offs_k[:, None] * sbk,
-                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(ht, bt, input_precision="ieee")
-        else:
-            acc += tl.dot(ht.to(bt.dtype), bt)
+def _add_into(y_ptr, rows, offs_n, m_mask, n_mask, sym, syn, acc):
+    """y[rows, offs_n] += acc (summed in float32, stored in y's dtype)."""
     y_ptrs = y_ptr + rows[:, None] * sym + offs_n[None, :] * syn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+@triton.jit
+def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_ptr, tile_m_ptr,
+                   N, K, shs, shm, shk, sbl, sbn, sbk, sym, syn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_COLS: tl.constexpr,
+                   GROUP: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    """Each program covers GROUP output tiles of BN columns side by side: where the rank
+    fits one K step (K <= BK, the usual case) it reads and sums the shrink's slices of its
+    token rows once for all of them, rather than once per output tile."""
+    pid = tl.program_id(0)
+    slot, rows, m_mask = _tile(pid // N_COLS, tile_slot_ptr, tile_m_ptr, tok_ptr, cnt_ptr,
+                               start_ptr, BM)
+    if slot < 0:
+        return
+    n_first = (pid % N_COLS) * (GROUP * BN)
+    b_base = b_ptr + slot.to(tl.int64) * sbl
+    h_rows = h_ptr + rows[:, None] * shm
+    offs_k = tl.arange(0, BK)
+    if K <= BK:  # the rank in one step: this tile's h once, for every output tile
+        k_mask = offs_k < K
+        hm = m_mask[:, None] & k_mask[None, :]
+        ht = tl.load(h_rows + offs_k[None, :] * shk, mask=hm, other=0.0)
+        for split in range(1, SPLITS):  # the shrink's K slices, summed in order
+            ht += tl.load(h_rows + split * shs + offs_k[None, :] * shk, mask=hm, other=0.0)
+        for g in range(GROUP):
+            offs_n = n_first + g * BN + tl.arange(0, BN)
+            n_mask = offs_n < N
+            bt = tl.load(b_base + offs_n[None, :] * sbn + offs_k[:, None] * sbk,
+                         mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(ht, bt, input_precision="ieee")
+            else:
+                acc = tl.dot(ht.to(bt.dtype), bt)
+            _add_into(y_ptr, rows, offs_n, m_mask, n_mask, sym, syn, acc)
+    else:
+        for g in range(GROUP):
+            offs_n = n_first + g * BN + tl.arange(0, BN)
+            n_mask = offs_n < N
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                ks = k0 + offs_k
+                k_mask = ks < K
+                hm = m_mask[:, None] & k_mask[None, :]
+                ht = tl.load(h_rows + ks[None, :] * shk, mask=hm, other=0.0)
+                for split in range(1, SPLITS):
+                    ht += tl.load(h_rows + split * shs + ks[None, :] * shk, mask=hm, other=0.0)
+                bt = tl.load(b_base + offs_n[None, :] * sbn + ks[:, None] * sbk,
+                             mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if IEEE:
+                    acc += tl.dot(ht, bt, input_precision="ieee")
+                else:
+                    acc += tl.dot(ht.to(bt.dtype), bt)
+            _add_into(y_ptr, rows, offs_n, m_mask, n_mask, sym, syn, acc)
+
+
 # Launch settings, module-level so that benchmarks/lora_kernel_bench.py can sweep them: the
-# most K slices a decode step's shrink is split into, and the output columns per expand tile.
+# most K slices a decode step's shrink is split into, the output columns per expand tile,
+# and the most output tiles one expand program covers (fewer where the step would then
+# launch under EXPAND_MIN_WAVES programs per SM).
 SHRINK_MAX_SPLIT_K = 16
 EXPAND_BLOCK_N = 128
+EXPAND_MAX_GROUP = 4
+EXPAND_MIN_WAVES = 2
 
 
 def _pow2(n: int, lo: int = 16, hi: int = 128) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (on the CPU, under the interpreter: 1,
+    which lets the expand group tiles as much as it may)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
+def expand_group(token_tiles: int, n_tiles: int, device: torch.device) -> int:
+    """Output tiles per expand program: the most (a power of two up to EXPAND_MAX_GROUP)
+    that still launches EXPAND_MIN_WAVES programs per SM for `token_tiles` table entries."""
+    group, floor = 1, EXPAND_MIN_WAVES * _num_sms(device)
+    while (group * 2 <= min(EXPAND_MAX_GROUP, n_tiles)
+           and token_tiles * triton.cdiv(n_tiles, group * 2) >= floor):
+        group *= 2
+    return group
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
@@ -142,10 +202,13 @@ def lora_expand(h: torch.Tensor, b: torch.Tensor, y: torch.Tensor, batch: LoRABa
     splits, _, r = h.shape
     _, n, _ = b.shape
     bm, bn, bk = batch.block_m, EXPAND_BLOCK_N, _pow2(r, hi=64)
+    tiles = batch.tile_slot.numel()
     n_tiles = triton.cdiv(n, bn)
-    grid = (batch.tile_slot.numel() * n_tiles,)
-    _expand_kernel[grid](h, b, y, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
-                         batch.tile_m, n, r, h.stride(0), h.stride(1), h.stride(2), b.stride(0),
-                         b.stride(1), b.stride(2), y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk,
-                         N_TILES=n_tiles, SPLITS=splits, IEEE=b.dtype == torch.float32)
+    group = expand_group(tiles, n_tiles, y.device)
+    n_cols = triton.cdiv(n_tiles, group)
+    _expand_kernel[(tiles * n_cols,)](
+        h, b, y, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot, batch.tile_m,
+        n, r, h.stride(0), h.stride(1), h.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        y.stride(0), y.stride(1), BM=bm, BN=bn, BK=bk, N_COLS=n_cols, GROUP=group, SPLITS=splits,
+        IEEE=b.dtype == torch.float32)
     return y
