@@ -258,14 +258,14 @@ def _engine_triton_case(root: str) -> None:
 
 def test_triton_kernels_interpreted(tmp_path):
     """The shrink/expand kernels, run by Triton's interpreter on the CPU in float32, equal
-    the torch path (a decode-sized step, whose K is split over programs, and a
-    prefill-sized one; output tiles grouped per expand program, with a rank that fits one
+    the torch path (decode-sized and prefill-sized steps, K split over programs or not; output tiles grouped per expand program, with a rank that fits one
     K step and one that does not); and the whole engine on them (LoRABatch's grouped tokens, the
     layers' CUDA path) equals PEFT. In a subprocess: TRITON_INTERPRET is read when Triton
     is imported."""
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
             "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); "
+            "test_lora._kernel_case(300, 1100); "
             "test_lora._kernel_case(40, 64, only=2); test_lora._kernel_case(300, 64, only=-1); "
             "test_lora._kernel_case(37, 1100, n=150, block_n=16); "
             "test_lora._kernel_case(37, 300, r=80, n=150, block_n=16); "

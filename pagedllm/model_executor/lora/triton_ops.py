@@ -139,10 +139,11 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
 
 
 # Launch settings, module-level so that benchmarks/lora_kernel_bench.py can sweep them: the
-# most K slices a decode step's shrink is split into, the output columns per expand tile,
-# and the most output tiles one expand program covers (fewer where the step would then
-# launch under EXPAND_MIN_WAVES programs per SM).
+# most K slices a shrink is split into (and the programs per SM it aims for), the output
+# columns per expand tile, and the most output tiles one expand program covers (fewer where
+# the step would then launch under EXPAND_MIN_WAVES programs per SM).
 SHRINK_MAX_SPLIT_K = 16
+SHRINK_MIN_WAVES = 4
 EXPAND_BLOCK_N = 128
 EXPAND_MAX_GROUP = 4
 EXPAND_MIN_WAVES = 2
@@ -156,10 +157,11 @@ _SMS: dict[torch.device, int] = {}
 
 
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (on the CPU, under the interpreter: 1,
-    which lets the expand group tiles as much as it may)."""
+    """Streaming multiprocessors of a CUDA device. Elsewhere (Triton's interpreter on the
+    CPU) a small GPU's 8, so that the interpreted tests split K and group tiles as a GPU
+    run would."""
     if device.type != "cuda":
-        return 1
+        return 8
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS[device]
@@ -182,13 +184,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     m, k = x.shape
     _, r, _ = a.shape
     bm, bn, bk = batch.block_m, _pow2(r, hi=64), 64 if m > 256 else 128
-    # Few tokens make few tiles (one per 16 tokens of a slot): the long K is split over
-    # programs too, so that a decode step's shrink fills the GPU.
-    split_k = max(1, min(SHRINK_MAX_SPLIT_K, k // (4 * bk))) if m <= 256 else 1
+    tiles, n_tiles = batch.tile_slot.numel(), triton.cdiv(r, bn)
+    # The rank is narrow: one program per token tile would leave most SMs idle (a decode
+    # step has a few dozen tiles) or loop over the whole K serially (a prefill chunk's
+    # hundred or so). The K range is split over programs too, up to SHRINK_MIN_WAVES
+    # programs per SM, each slice at least 4 K steps long.
+    want = triton.cdiv(SHRINK_MIN_WAVES * _num_sms(x.device), tiles * n_tiles)
+    split_k = max(1, min(SHRINK_MAX_SPLIT_K, k // (4 * bk), want))
     k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
+    split_k = triton.cdiv(k, k_per)  # no empty slice
     h = torch.empty((split_k, m, r), dtype=torch.float32, device=x.device)
-    n_tiles = triton.cdiv(r, bn)
-    grid = (batch.tile_slot.numel() * n_tiles * split_k,)
+    grid = (tiles * n_tiles * split_k,)
     _shrink_kernel[grid](x, a, h, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
                          batch.tile_m, r, k, k_per, x.stride(0), x.stride(1), a.stride(0), a.stride(1),
                          a.stride(2), h.stride(0), h.stride(1), h.stride(2), BM=bm, BN=bn, BK=bk,
