@@ -258,9 +258,10 @@ def _engine_triton_case(root: str) -> None:
 
 def test_triton_kernels_interpreted(tmp_path):
     """The shrink/expand kernels, run by Triton's interpreter on the CPU in float32, equal
-    the torch path (decode-sized and prefill-sized steps, K split over programs or not; output tiles grouped per expand program, with a rank that fits one
-    K step and one that does not); and the whole engine on them (LoRABatch's grouped tokens, the
-    layers' CUDA path) equals PEFT. In a subprocess: TRITON_INTERPRET is read when Triton
+    the torch path (decode-sized and prefill-sized steps, K split over programs or not;
+    output tiles grouped per expand program, with a rank that fits one K step and one that
+    does not); and the whole engine on them (LoRABatch's grouped tokens, the layers' CUDA
+    path) equals PEFT. In a subprocess: TRITON_INTERPRET is read when Triton
     is imported."""
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
