@@ -139,11 +139,10 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
 
 
 # Launch settings, module-level so that benchmarks/lora_kernel_bench.py can sweep them: the
-# most K slices a shrink is split into (and the programs per SM it aims for), the output
-# columns per expand tile, and the most output tiles one expand program covers (fewer where
-# the step would then launch under EXPAND_MIN_WAVES programs per SM).
+# most K slices a decode step's shrink is split into, the output columns per expand tile,
+# and the most output tiles one expand program covers (fewer where the step would then
+# launch under EXPAND_MIN_WAVES programs per SM).
 SHRINK_MAX_SPLIT_K = 16
-SHRINK_MIN_WAVES = 4
 EXPAND_BLOCK_N = 128
 EXPAND_MAX_GROUP = 4
 EXPAND_MIN_WAVES = 2
@@ -185,14 +184,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     _, r, _ = a.shape
     bm, bn, bk = batch.block_m, _pow2(r, hi=64), 64 if m > 256 else 128
     tiles, n_tiles = batch.tile_slot.numel(), triton.cdiv(r, bn)
-    # The rank is narrow: one program per token tile would leave most SMs idle (a decode
-    # step has a few dozen tiles) or loop over the whole K serially (a prefill chunk's
-    # hundred or so). The K range is split over programs too, up to SHRINK_MIN_WAVES
-    # programs per SM, each slice at least 4 K steps long.
-    want = triton.cdiv(SHRINK_MIN_WAVES * _num_sms(x.device), tiles * n_tiles)
-    split_k = max(1, min(SHRINK_MAX_SPLIT_K, k // (4 * bk), want))
+    # Few tokens make few tiles (one per 16 tokens of a slot): the long K is split over
+    # programs too, so that a decode step's shrink fills the GPU.
+    split_k = max(1, min(SHRINK_MAX_SPLIT_K, k // (4 * bk))) if m <= 256 else 1
     k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
-    split_k = triton.cdiv(k, k_per)  # no empty slice
     h = torch.empty((split_k, m, r), dtype=torch.float32, device=x.device)
     grid = (tiles * n_tiles * split_k,)
     _shrink_kernel[grid](x, a, h, batch.sorted_tokens, batch.counts, batch.starts, batch.tile_slot,
