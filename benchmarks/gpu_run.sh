@@ -18,7 +18,8 @@
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
 # lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
 #   gpu-7b's kernels without and with one adapter on every prompt.
-# prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
+# prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT,
+#   and where FlashInfer is there its backend's GPU test and the 32k TTFT through it;
 # profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
 # kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
 # attn: benchmarks/attn_decode_bench.py (decode attention over bf16 / fp8 pages);
@@ -238,10 +239,18 @@ prefill)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
             >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
     fi
-    timeout "$(cap 420)" python3 benchmarks/prefill_attn_bench.py --json "$OUT/prefill-attn.json" 2>&1 \
+    timeout "$(cap 240)" python3 benchmarks/prefill_attn_bench.py --json "$OUT/prefill-attn.json" 2>&1 \
         | grep -v Warning | tail -16
     timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
         --backend both --repeats 3 --warmup 0 --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
+    if python3 -c "import flashinfer" 2>/dev/null; then
+        # The engine with prefills through FlashInfer (attention/flashinfer_backend.py): its
+        # GPU test, then the same 32k TTFT (a warm-up run builds FlashInfer's kernels).
+        timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_attention.py 2>&1 | tail -3
+        PAGEDLLM_ATTENTION_BACKEND=flashinfer timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench \
+            throughput --workload gpu-long-ttft --repeats 3 --warmup 1 \
+            --output-json "$OUT/gpu-long-ttft-flashinfer.json" 2>&1 | tail -5
+    fi
     ;;
 profile)
     # Device time by kernel: one 32k prompt (what TTFT spends beside attention), then an

@@ -31,6 +31,7 @@ class AttentionMetadata:
     host_q_start: np.ndarray | None = None
     host_q_len: np.ndarray | None = None
     host_ctx_len: np.ndarray | None = None
+    host_block_tables: np.ndarray | None = None  # [S, max_blocks], as block_tables
 
     @property
     def num_seqs(self) -> int:

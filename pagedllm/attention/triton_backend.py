@@ -387,11 +387,20 @@ class TritonPagedAttention:
                 DIRECT=True, **common,
                 **(cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH))
         if meta.num_prefill_tiles:
-            tq = meta.prefill_tile_q
-            _paged_attention_kernel[(meta.num_prefill_tiles, hkv)](
-                *args, meta.prefill_tiles[0], meta.prefill_tiles[1], slopes, TILE_Q=tq,
-                BLOCK_M=max(16, _pow2(tq * group)), DIRECT=False, **common, **cls.PREFILL_LAUNCH)
+            cls._prefill(q, k_cache, v_cache, out, meta, scale, args, common, slopes,
+                         plain=(alibi_slopes is None and sliding_window is None and logits_soft_cap is None
+                                and sinks is None and causal))
         return out
+
+    @classmethod
+    def _prefill(cls, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, args: tuple,
+                 common: dict, slopes, plain: bool) -> None:
+        """The step's prefill rows (after its decodes) into `out`. `plain`: causal, with no
+        ALiBi, window, soft-cap or sinks (what a subclass's other kernel may need)."""
+        tq, group = meta.prefill_tile_q, q.shape[1] // k_cache.shape[2]
+        _paged_attention_kernel[(meta.num_prefill_tiles, k_cache.shape[2])](
+            *args, meta.prefill_tiles[0], meta.prefill_tiles[1], slopes, TILE_Q=tq,
+            BLOCK_M=max(16, _pow2(tq * group)), DIRECT=False, **common, **cls.PREFILL_LAUNCH)
 
 
 class TritonInvariantAttention(TritonPagedAttention):

@@ -449,7 +449,7 @@ class ModelRunner:
             block_tables=tables.view(arrays["tables"].shape), q_start=q_start, q_len=q_len,
             ctx_len=ctx, prefill_tiles=tiles_t.view(2, -1), num_prefill_tiles=num_tiles, prefill_tile_q=tq,
             host_q_start=arrays["q_start"], host_q_len=arrays["q_len"],
-            host_ctx_len=arrays["ctx_len"],
+            host_ctx_len=arrays["ctx_len"], host_block_tables=arrays["tables"],
         )
         if getattr(self.backend, "long_slots", False):  # index_copy_ wants int64 indices
             meta.slot_mapping = slots.long()
