@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -13,13 +13,13 @@
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k;
-# long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt;
+# long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt; long-fi:
+#   the same with prefills through FlashInfer (carry .whl-fi), after its GPU tests;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
 # lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
 #   gpu-7b's kernels without and with one adapter on every prompt.
-# prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT,
-#   and where FlashInfer is there its backend's GPU test and the 32k TTFT through it;
+# prefill: benchmarks/prefill_attn_bench.py (with FlashInfer where .whl-fi has it), 32k TTFT;
 # profile: benchmarks/profile_kernels.py on gpu-long-ttft and on the embedding batch;
 # kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
 # attn: benchmarks/attn_decode_bench.py (decode attention over bf16 / fp8 pages);
@@ -211,13 +211,23 @@ trt)
     done
     summary "$OUT"/trt-8b-*.json
     ;;
-long)
+long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
     # in the same run), 16 x (32,000 in, 128 out) against HF generate, a 128k prompt.
+    # long-fi: the same with prefills through FlashInfer (.whl-fi carried), after its GPU
+    # tests; a warm-up run builds its kernels.
+    warm=0
+    if [[ $1 == long-fi ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
+            >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+        timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_attention.py 2>&1 | tail -3
+        export PAGEDLLM_ATTENTION_BACKEND=flashinfer
+        warm=1
+    fi
     timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
-        --backend both --repeats 3 --warmup 0 --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
+        --backend both --repeats 3 --warmup $warm --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
     timeout "$(cap 300)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
-        --backend both --warmup 0 --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
+        --backend both --warmup $warm --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
     timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-128k \
         --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
     summary "$OUT"/gpu-long*.json
@@ -239,18 +249,10 @@ prefill)
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
             >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
     fi
-    timeout "$(cap 240)" python3 benchmarks/prefill_attn_bench.py --json "$OUT/prefill-attn.json" 2>&1 \
+    timeout "$(cap 420)" python3 benchmarks/prefill_attn_bench.py --json "$OUT/prefill-attn.json" 2>&1 \
         | grep -v Warning | tail -16
     timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
         --backend both --repeats 3 --warmup 0 --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
-    if python3 -c "import flashinfer" 2>/dev/null; then
-        # The engine with prefills through FlashInfer (attention/flashinfer_backend.py): its
-        # GPU test, then the same 32k TTFT (a warm-up run builds FlashInfer's kernels).
-        timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_attention.py 2>&1 | tail -3
-        PAGEDLLM_ATTENTION_BACKEND=flashinfer timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench \
-            throughput --workload gpu-long-ttft --repeats 3 --warmup 1 \
-            --output-json "$OUT/gpu-long-ttft-flashinfer.json" 2>&1 | tail -5
-    fi
     ;;
 profile)
     # Device time by kernel: one 32k prompt (what TTFT spends beside attention), then an
