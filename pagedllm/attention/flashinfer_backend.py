@@ -14,7 +14,10 @@ Used only where the Triton prefill would compute the same thing: causal, no ALiB
 window, soft-cap or sinks, bf16/fp16 pages (not fp8), head dims FlashInfer builds (64, 128,
 256), outside CUDA-graph capture and with the host lengths at hand. Anything else takes the
 Triton prefill. flashinfer-python is optional (`pip install flashinfer-python`); it builds
-its kernels on first use (a minute or so, cached under ~/.cache/flashinfer).
+its kernels on first use (a minute or so, cached under ~/.cache/flashinfer). The first use
+is the engine's memory-profiling step at start-up, a full-budget prefill: the kernels are
+built before the first request, and the workspace (WORKSPACE_BYTES) is part of the peak the
+KV pool is sized from.
 """
 
 from __future__ import annotations
