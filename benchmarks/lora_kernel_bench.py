@@ -4,12 +4,15 @@ which launch settings add least.
 One Llama-2-7B layer's four linear layers (qkv, o, gate_up, down; rank-16 adapters on all,
 4 slots), captured in a CUDA graph as a decode step replays them: the base products alone,
 then with each layer's shrink + expand. Steps: 256 decode rows all on one adapter (the
-lora1 workload), 256 rows over four adapters, 64 rows on one, and an 8,192-row prefill
-chunk on one. Swept: DECODE_BLOCK_M (token rows per tile in decodes), SHRINK_MAX_SPLIT_K,
-EXPAND_BLOCK_N and EXPAND_MAX_GROUP (pagedllm/model_executor/lora). Each setting's delta is
-first checked against lora_delta_torch in float32. Prints microseconds per layer and the
-share the LoRA kernels add to the base products (the defaults are marked), then, at the
-defaults, what the shrinks alone add and what the expands add on top of them.
+lora1 workload), 256 rows over four adapters, 64 rows on one, 768 rows on one (256 decodes
+beside a 512-token chunk of a prompt: the engine's mixed steps) and an 8,192-row prefill
+chunk on one. Swept: token rows per tile (DECODE_BLOCK_M up to 256 rows, PREFILL_BLOCK_M
+past), K slices of the shrink (SHRINK_MAX_SPLIT_K, SHRINK_PREFILL_SPLIT_K), output columns
+and tiles per expand program (EXPAND_BLOCK_N, EXPAND_MAX_GROUP); pagedllm/model_executor/lora.
+Each setting's delta is first checked against lora_delta_torch in float32. Prints
+microseconds per layer and the share the LoRA kernels add to the base products (the
+defaults are marked), then, at the defaults, what the shrinks alone add and what the
+expands add on top of them.
 
     python benchmarks/lora_kernel_bench.py [--json F]
     TRITON_INTERPRET=1 python benchmarks/lora_kernel_bench.py --tiny   # CPU check of the script
@@ -34,8 +37,11 @@ LINEARS = {"qkv": (4096, 12288, 3), "o": (4096, 4096, 1), "gate_up": (4096, 2201
            "down": (11008, 4096, 1)}
 RANK, SLOTS = 16, 4
 STEPS = {"decode256-1adapter": (256, 1), "decode256-4adapters": (256, 4),
-         "decode64-1adapter": (64, 1), "prefill8192-1adapter": (8192, 1)}
+         "decode64-1adapter": (64, 1), "mixed768-1adapter": (768, 1), "prefill8192-1adapter": (8192, 1)}
 DECODE_SETTINGS = list(itertools.product((16, 32), (8, 16), (64, 128), (1, 4, 8)))
+# Steps over 256 rows (a prompt's chunk beside 256 decodes, a prefill chunk): token rows per
+# tile, K slices of the shrink, output columns and tiles per expand program.
+PREFILL_SETTINGS = list(itertools.product((16, 64), (1, 4, 16), (128,), (1, 4)))
 
 
 def graph_time(fn, replays: int = 100) -> float:
@@ -69,11 +75,12 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="shapes / 64 and few settings, float32 "
                     "on the CPU under TRITON_INTERPRET=1: checks the script, times nothing useful")
     args = ap.parse_args()
-    global LINEARS, STEPS, DECODE_SETTINGS
+    global LINEARS, STEPS, DECODE_SETTINGS, PREFILL_SETTINGS
     if args.tiny:
         LINEARS = {name: (k // 64, n // 64, s) for name, (k, n, s) in LINEARS.items()}
         STEPS = {"decode16-1adapter": (16, 1), "decode24-4adapters": (24, 4), "prefill300-1adapter": (300, 1)}
         DECODE_SETTINGS = [(16, 16, 128, 4), (32, 4, 64, 1)]
+        PREFILL_SETTINGS = [(64, 1, 128, 4), (16, 4, 64, 1)]
     cuda = torch.cuda.is_available()
     dev, dt = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
@@ -83,8 +90,12 @@ def main() -> None:
         r = shards * RANK
         lora[name] = (torch.randn(SLOTS, r, k, generator=g, device=dev, dtype=dt) / k**0.5,
                       torch.randn(SLOTS, n, r, generator=g, device=dev, dtype=dt) / r**0.5)
-    defaults = (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N,
-                triton_ops.EXPAND_MAX_GROUP)
+    knobs = ((lora_layers, "DECODE_BLOCK_M"), (triton_ops, "SHRINK_MAX_SPLIT_K"),
+             (triton_ops, "EXPAND_BLOCK_N"), (triton_ops, "EXPAND_MAX_GROUP"))
+    prefill_knobs = ((lora_layers, "PREFILL_BLOCK_M"), (triton_ops, "SHRINK_PREFILL_SPLIT_K"),
+                     (triton_ops, "EXPAND_BLOCK_N"), (triton_ops, "EXPAND_MAX_GROUP"))
+    defaults = tuple(getattr(mod, name) for mod, name in knobs)
+    prefill_defaults = tuple(getattr(mod, name) for mod, name in prefill_knobs)
     rows = []
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"LoRA kernels on one Llama-2-7B layer, rank {RANK}, {SLOTS} slots ({device_name})")
@@ -112,12 +123,14 @@ def main() -> None:
                 triton_ops.lora_shrink(xs[name], lora[name][0], batch)
 
         base_us = graph_time(base)
-        settings = (DECODE_SETTINGS if m <= 256 else
-                    [(defaults[0], defaults[1], bn, g) for bn in (64, 128, 256) for g in (1, defaults[3])])
+        settings, setting_knobs, step_defaults = ((DECODE_SETTINGS, knobs, defaults) if m <= 256
+                                                  else (PREFILL_SETTINGS, prefill_knobs, prefill_defaults))
+        if step_defaults not in settings:
+            settings = [step_defaults, *settings]
         for setting in settings:
             bm, split, bn, group = setting
-            (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N,
-             triton_ops.EXPAND_MAX_GROUP) = setting
+            for (mod, name), value in zip(setting_knobs, setting, strict=True):
+                setattr(mod, name, value)
             batch.set(slots, m)
             if cuda:
                 torch.cuda.synchronize()
@@ -131,7 +144,7 @@ def main() -> None:
             if err > 2e-2:
                 raise AssertionError(f"{step} {setting}: relative error {err:.1e}")
             lora_us = graph_time(with_lora)
-            default = setting == defaults or (m > 256 and (bn, group) == defaults[2:])
+            default = setting == step_defaults
             row = {"step": step, "rows": m, "adapters": adapters, "block_m": bm,
                    "shrink_max_split_k": split, "expand_block_n": bn, "expand_max_group": group,
                    "base_us": round(base_us, 2), "with_lora_us": round(lora_us, 2),
@@ -142,8 +155,8 @@ def main() -> None:
             print(f"{step:22s} {bm:3d} {split:6d} {bn:4d} {group:5d} {base_us:8.1f} {lora_us:9.1f} "
                   f"{(lora_us - base_us) / base_us:7.1%} {err:8.1e}{' *' if default else ''}")
             rows.append(row)
-    (lora_layers.DECODE_BLOCK_M, triton_ops.SHRINK_MAX_SPLIT_K, triton_ops.EXPAND_BLOCK_N,
-     triton_ops.EXPAND_MAX_GROUP) = defaults
+        for (mod, name), value in zip(setting_knobs, step_defaults, strict=True):
+            setattr(mod, name, value)
     for step in STEPS:
         mine = [r for r in rows if r["step"] == step]
         best, default = min(mine, key=lambda r: r["with_lora_us"]), next(r for r in mine if r["default"])

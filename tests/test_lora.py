@@ -195,11 +195,13 @@ def test_block_hashes_depend_on_adapter():
 
 
 def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 only: int | None = None, r: int = 24, n: int = 70, block_n: int | None = None):
+                 only: int | None = None, r: int = 24, n: int = 70, block_n: int | None = None,
+                 prefill_split: int = 1):
     """The kernels against the torch path (in float32), and that against a per-token loop.
     `only`: every token on that one slot (-1: none has an adapter; the tile table is then
     all unused entries). `block_n`: the expand's output tile width for this case (narrow
-    tiles make several per program: the expand's grouping, a part-filled last group)."""
+    tiles make several per program: the expand's grouping, a part-filled last group).
+    `prefill_split`: the K slices of a shrink over 256 rows (SHRINK_PREFILL_SPLIT_K)."""
     from pagedllm.model_executor.lora import triton_ops
     from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
     from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
@@ -215,15 +217,16 @@ def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch
     batch.set(slots, m)
     base = torch.randn(m, n, generator=gen)
     dev = [t.to(device, dtype) for t in (x, a, b, base)]
-    default_bn = triton_ops.EXPAND_BLOCK_N
+    default_bn, default_split = triton_ops.EXPAND_BLOCK_N, triton_ops.SHRINK_PREFILL_SPLIT_K
     triton_ops.EXPAND_BLOCK_N = block_n or default_bn
+    triton_ops.SHRINK_PREFILL_SPLIT_K = prefill_split
     try:
         if block_n:  # the case does group output tiles
             n_tiles = -(-n // block_n)
             assert triton_ops.expand_group(batch.tile_slot.numel(), n_tiles, dev[0].device) > 1
         y = lora_expand(lora_shrink(dev[0], dev[1], batch), dev[2], dev[3].clone(), batch).cpu().float()
     finally:
-        triton_ops.EXPAND_BLOCK_N = default_bn
+        triton_ops.EXPAND_BLOCK_N, triton_ops.SHRINK_PREFILL_SPLIT_K = default_bn, default_split
     ref = base + lora_delta_torch(x, a, b, batch.token_slot.cpu())
     assert torch.equal(y[slots < 0], dev[3].cpu().float()[slots < 0])  # base rows untouched
     tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -266,7 +269,7 @@ def test_triton_kernels_interpreted(tmp_path):
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
             "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); "
-            "test_lora._kernel_case(300, 1100); "
+            "test_lora._kernel_case(300, 1100); test_lora._kernel_case(300, 1100, prefill_split=4); "
             "test_lora._kernel_case(40, 64, only=2); test_lora._kernel_case(300, 64, only=-1); "
             "test_lora._kernel_case(37, 1100, n=150, block_n=16); "
             "test_lora._kernel_case(37, 300, r=80, n=150, block_n=16); "

@@ -31,16 +31,19 @@ if TYPE_CHECKING:
     from pagedllm.model_executor.layers.linear import LinearBase
 
 
-# Token rows per tile in steps of up to 256 rows (decodes). A module setting so that
-# benchmarks/lora_kernel_bench.py can sweep it; read when a LoRABatch is bound, so it must
-# not change while an engine runs (its CUDA graphs keep the tiles they were captured with).
+# Token rows per tile in steps of up to 256 rows (decodes), and in larger ones (prefill
+# chunks, decodes mixed with a prompt's chunk). Module settings so that
+# benchmarks/lora_kernel_bench.py can sweep them; read when a LoRABatch is bound, so they
+# must not change while an engine runs (its CUDA graphs keep the tiles they were captured
+# with).
 DECODE_BLOCK_M = 16
+PREFILL_BLOCK_M = 64
 
 
 def lora_block_m(num_rows: int) -> int:
     """Token rows per tile of the LoRA kernels for a step of `num_rows` rows (small tiles
     for decode steps, larger ones for prefills); the tile table is cut with it."""
-    return DECODE_BLOCK_M if num_rows <= 256 else 64
+    return DECODE_BLOCK_M if num_rows <= 256 else PREFILL_BLOCK_M
 
 
 class LoRABatch:

@@ -139,10 +139,12 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
 
 
 # Launch settings, module-level so that benchmarks/lora_kernel_bench.py can sweep them: the
-# most K slices a decode step's shrink is split into, the output columns per expand tile,
-# and the most output tiles one expand program covers (fewer where the step would then
-# launch under EXPAND_MIN_WAVES programs per SM).
+# most K slices the shrink of a decode step (up to 256 rows) is split into and of a larger
+# step (1: not split; splitting by SM count there measured no faster on an H100 at 8,192
+# rows), the output columns per expand tile, and the most output tiles one expand program
+# covers (fewer where the step would then launch under EXPAND_MIN_WAVES programs per SM).
 SHRINK_MAX_SPLIT_K = 16
+SHRINK_PREFILL_SPLIT_K = 1
 EXPAND_BLOCK_N = 128
 EXPAND_MAX_GROUP = 4
 EXPAND_MIN_WAVES = 2
@@ -186,7 +188,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Ten
     tiles, n_tiles = batch.tile_slot.numel(), triton.cdiv(r, bn)
     # Few tokens make few tiles (one per 16 tokens of a slot): the long K is split over
     # programs too, so that a decode step's shrink fills the GPU.
-    split_k = max(1, min(SHRINK_MAX_SPLIT_K, k // (4 * bk))) if m <= 256 else 1
+    split_k = max(1, min(SHRINK_MAX_SPLIT_K if m <= 256 else SHRINK_PREFILL_SPLIT_K, k // (4 * bk)))
     k_per = triton.cdiv(triton.cdiv(k, split_k), bk) * bk
     h = torch.empty((split_k, m, r), dtype=torch.float32, device=x.device)
     grid = (tiles * n_tiles * split_k,)
