@@ -274,9 +274,10 @@ kernels)
         --json "$OUT/profile-moe-b1.json" 2>&1 | grep -v "USDT\|Warning" | tail -22
     ;;
 eager)
-    # What an eager decode step costs the host, piece by piece (MoE at batch 64, 8 layers),
-    # against the eager and CUDA-graph steps of the same engine.
-    timeout "$(cap 300)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers 8 --batch 64 \
+    # What an eager decode step costs the host, piece by piece (MoE at batch 64; LAYERS
+    # layers, default 8; LAYERS=48 is the whole model, the target shape), against
+    # the eager and CUDA-graph steps of the same engine.
+    timeout "$(cap 300)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers "${LAYERS:-8}" --batch 64 \
         --json "$OUT/eager-host-cost.json" 2>&1 | grep -v "Warning\|transformers" | tail -24
     ;;
 embed)
