@@ -615,6 +615,15 @@ def test_schema_fuzzing_finds_no_server_error(engine):
                 for key in keys.get(op.path, ()):
                     v = case.body.get(key)
                     case.body[key] = 4 if v is None else min(v, 4)
+                # /tokenize takes exactly one of prompt and messages, which its schema cannot
+                # say: left to chance, all 25 bodies may have both or neither.
+                if op.path == "/tokenize" and (case.body.get("prompt") is None) == (
+                        case.body.get("messages") is None):
+                    case.body.pop("messages", None)
+                    case.body["prompt"] = case.body.get("prompt") or "hello"
+                if op.path == "/detokenize" and isinstance(case.body.get("tokens"), list):
+                    # in the vocabulary, as most random ids are not
+                    case.body["tokens"] = [abs(t) % 32 for t in case.body["tokens"]]
             r = case.call(timeout=60)
             seen[(op.path, r.status_code)] = seen.get((op.path, r.status_code), 0) + 1
             assert r.status_code < 500, (op.path, case.body, r.text[:500])
