@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -15,7 +15,9 @@
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k;
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt; long-fi:
 #   the same with prefills through FlashInfer (carry .whl-fi), after its GPU tests;
-# spec: gpu-7b with and without n-gram speculation (the gate must turn it off).
+# spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
+# mixed: 64 streams on gpu-7b's shape with one 32k prompt sent among them (bench serve
+#   --long-prompt-len), per cap on a step's prompt tokens (CAPS, default "512 256").
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
 # lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
 #   gpu-7b's kernels without and with one adapter on every prompt.
@@ -66,9 +68,12 @@ start_7b() {
     log=$OUT/server-$name.log
     dir=$(mktemp -d)
     python3 - "$dir" <<'EOF' || return 1
-import sys
+import os, sys
 from pagedllm.entrypoints.bench_workloads import LLAMA2_7B_CONFIG, write_arch_config, write_word_tokenizer
-write_arch_config(LLAMA2_7B_CONFIG, sys.argv[1])
+# MAX_POS: more positions than Llama 2's 4096 (random weights: only the shapes matter)
+config = {**LLAMA2_7B_CONFIG, "max_position_embeddings": int(os.environ.get("MAX_POS") or
+                                                             LLAMA2_7B_CONFIG["max_position_embeddings"])}
+write_arch_config(config, sys.argv[1])
 write_word_tokenizer(sys.argv[1], LLAMA2_7B_CONFIG["vocab_size"])
 EOF
     python3 -m pagedllm.entrypoints.cli serve "$dir" --load-format dummy --dtype bfloat16 \
@@ -337,6 +342,20 @@ serve-ratio)
         --max-num-seqs 64 --output-json "$OUT/gpu-7b-offline-seqs64.json" 2>&1 | tail -3
     serve_ratio_summary "$offline" "$OUT"/gpu-7b-serve-*.json
     summary "$OUT/gpu-7b-offline-seqs64.json"
+    ;;
+mixed)
+    # Issue 34's mixed workload: 64 streams on gpu-7b's shape (256 in, 512 out) and, 3 s in,
+    # one 32,000-token prompt beside them; the streams' ITL p99 / median (target <= 2) and
+    # their gaps while the prompt prefills, per cap on a step's prompt tokens (CAPS).
+    for c in ${CAPS:-512 256}; do
+        if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "mixed-cap$c" --max-model-len 40960 \
+                --max-prefill-tokens-with-decodes "$c"; then
+            BENCH_S=$(cap 150) bench_7b "mixed-cap$c" 64 64 --output-len 512 --warmup 1 \
+                --long-prompt-len 32000 --long-prompt-delay 3
+            stop_7b
+        fi
+    done
+    summary "$OUT"/gpu-7b-serve-mixed-*.json
     ;;
 tp)
     export NCCL_NVLS_ENABLE=0

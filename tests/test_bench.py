@@ -255,7 +255,10 @@ def test_hf_static_cache_runs_on_cpu(tiny_models):
 # ---------------------------------------------------------------------- bench serve
 class _FakeServer(http.server.BaseHTTPRequestHandler):
     """Streams `max_tokens` one-character completions, 2 ms apart with every eighth gap
-    30 ms: a known ITL shape, without loading a model."""
+    30 ms: a known ITL shape, without loading a model. A prompt of over 100 tokens waits
+    0.3 s before its first token (a long prefill); every prompt's length is recorded."""
+
+    prompt_lens: list[int] = []
 
     def log_message(self, *args) -> None:  # quiet
         pass
@@ -277,6 +280,9 @@ class _FakeServer(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
         n = body["max_tokens"]
+        _FakeServer.prompt_lens.append(len(body["prompt"]))
+        if len(body["prompt"]) > 100:
+            time.sleep(0.3)
         for i in range(n):
             time.sleep(0.03 if i % 8 == 7 else 0.002)
             self.wfile.write(b'data: {"choices": [{"text": "x"}]}\n\n')
@@ -347,6 +353,29 @@ def test_bench_serve_spreads_its_clients_over_processes(fake_server, tmp_path):
     # The duration spans the requests (a wall-clock bound on it would measure the
     # machine's load: the three processes start in it).
     assert r["duration_s"] >= r["mean_e2el_ms"] / 1000
+
+
+def test_bench_serve_mixed_workload_times_a_long_prompt_beside_the_streams(fake_server, tmp_path):
+    """--long-prompt-len: one more request, sent once at its delay and not counted among
+    the streams; its TTFT (the fake server's 0.3 s prefill) and the streams' gaps during
+    that prefill are reported."""
+    _FakeServer.prompt_lens.clear()
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args([
+        "serve", "--base-url", fake_server, "--num-prompts", "4", "--input-len", "12",
+        "--output-len", "160", "--max-concurrency", "4", "--warmup", "0", "--prompt-vocab-size",
+        "100", "--long-prompt-len", "200", "--long-prompt-delay", "0.1", "--long-output-len", "3",
+        "--output-json", str(out)])
+    assert main(args) == 0
+    r = json.loads(out.read_text())["results"]
+    assert sorted(_FakeServer.prompt_lens) == [12, 12, 12, 12, 200]
+    assert (r["completed"], r["failed"], r["total_input_tokens"], r["total_output_tokens"]) == (4, 0, 48, 640)
+    lp = r["long_prompt"]
+    assert lp["ok"] and lp["prompt_tokens"] == 200
+    assert lp["ttft_ms"] >= 300 and lp["sent_at_s"] >= 0.09
+    # The streams run ~0.9 s each: they were streaming through the whole window.
+    assert lp["gaps_during_prefill"] >= 10
+    assert 0 < lp["median_itl_during_prefill_ms"] <= lp["p99_itl_during_prefill_ms"] <= lp["max_itl_during_prefill_ms"]
 
 
 def test_bench_serve_rejects_a_file_that_is_not_an_offline_result(tmp_path):

@@ -21,10 +21,17 @@ from dataclasses import dataclass, field
 STREAMS_PER_PROCESS = 128
 
 
+# A body carrying this key is sent without it and its result tagged with its value; a tagged
+# request does not wait for a concurrency slot (bench serve's long prompt among the streams).
+TAG_KEY = "_bench_tag"
+
+
 @dataclass
 class RequestResult:
     ok: bool = False
     error: str | None = None
+    sent: float = 0.0  # perf_counter when it was sent (the system's monotonic clock)
+    tag: str | None = None
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -49,7 +56,7 @@ def session(base_url: str, headers: dict, timeout: float, connections: int):
 async def one(client, path: str, body: dict) -> RequestResult:
     """One streamed request: TTFT to the first event with text, ITL between such events."""
     res = RequestResult()
-    start = time.perf_counter()
+    start = res.sent = time.perf_counter()
     last = None
     try:
         async with client.post(path.lstrip("/"), json=body) as r:
@@ -95,6 +102,12 @@ async def run_share(base_url: str, headers: dict, timeout: float, path: str,
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if TAG_KEY in body:
+                body = dict(body)
+                tag = body.pop(TAG_KEY)
+                res = await one(client, path, body)
+                res.tag = tag
+                return res
             async with gate:
                 return await one(client, path, body)
 

@@ -17,6 +17,12 @@ the run little (a pure-Python client was measured to be the bound of earlier run
 same card: the result then carries the offline output tok/s, the ratio served / offline and
 that run's card, so one file shows what the HTTP path, streaming and the clients cost.
 
+`--long-prompt-len N` adds the mixed workload: `--long-prompt-delay` seconds into the run,
+one more request with an N-token prompt is sent beside the streams (it takes no concurrency
+slot). The streams' figures above leave it out; `long_prompt` in the result holds its TTFT
+and the streams' gaps that overlap its prefill (from its sending to its first token): what
+a long prompt does to everyone else's inter-token latency.
+
 Prompts are random token ids (seeded) drawn from the server's own tokenization of a fixed
 text, so they are valid for any model and exactly `--input-len` tokens long on the
 completions endpoint; the chat endpoint sends their text, and the chat template adds its
@@ -37,6 +43,7 @@ import numpy as np
 
 from pagedllm.entrypoints.bench_client import (
     STREAMS_PER_PROCESS,
+    TAG_KEY,
     RequestResult,
     default_processes,
     one,
@@ -93,6 +100,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"{STREAMS_PER_PROCESS} concurrent streams, at most half the CPUs)")
     w.add_argument("--warmup", type=int, default=2,
                    help="untimed requests before the run (other prompts; default 2)")
+    w.add_argument("--long-prompt-len", type=int, default=0, metavar="N",
+                   help="the mixed workload: one more request with an N-token prompt, sent "
+                        "--long-prompt-delay seconds into the run beside the streams (default 0: none)")
+    w.add_argument("--long-prompt-delay", type=float, default=2.0, metavar="S",
+                   help="seconds after the run starts (default 2)")
+    w.add_argument("--long-output-len", type=int, default=16,
+                   help="output tokens of the long-prompt request (default 16)")
     p.add_argument("--offline-json", metavar="FILE",
                    help="an offline `bench throughput` result (same model shape and card): "
                         "records its output tok/s, served / offline and its card")
@@ -108,11 +122,35 @@ def _stats_ms(name: str, values: list[float]) -> dict:
             f"p99_{name}_ms": round(float(np.percentile(a, 99)), 3)}
 
 
+def long_prompt_figures(long: RequestResult, streams: list[RequestResult], start: float) -> dict:
+    """The long prompt's TTFT, when it was sent, and the streams' gaps between tokens that
+    overlap its prefill window [sent, first token]: how long the others waited meanwhile."""
+    out = {"ok": long.ok, "error": long.error, "prompt_tokens": long.prompt_tokens,
+           "sent_at_s": round(long.sent - start, 3)}
+    if not long.ok:
+        return out
+    lo, hi = long.sent, long.sent + long.ttft
+    during = []
+    for r in streams:
+        if not r.ok:
+            continue
+        t = r.sent + r.ttft  # the stream's first token
+        for gap in r.itl:
+            if t < hi and t + gap > lo:
+                during.append(gap)
+            t += gap
+    return {**out, "ttft_ms": round(long.ttft * 1000.0, 3), "gaps_during_prefill": len(during),
+            **{k.replace("itl", "itl_during_prefill"): v for k, v in _stats_ms("itl", during).items()},
+            "max_itl_during_prefill_ms": round(max(during) * 1000.0, 3) if during else None}
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict:
     """vLLM's figures, under vLLM's names, from the per-request records, and the ITL's
     p99 / median: how much longer the worst gaps are than a typical one (a prefill or a
-    stall between two tokens shows there, not in the mean)."""
-    done = [r for r in results if r.ok]
+    stall between two tokens shows there, not in the mean). Tagged requests (the long
+    prompt) are not counted among the streams."""
+    done = [r for r in results if r.ok and r.tag is None]
+    results = [r for r in results if r.tag is None]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
@@ -218,9 +256,13 @@ async def _prepare(args: argparse.Namespace, headers: dict) -> tuple[dict, list[
             warm = await one(client, path, b)
             if not warm.ok:
                 raise SystemExit(f"warm-up request failed: {warm.error}")
+        long_body = None
+        if args.long_prompt_len:
+            long_body = {**await body(_prompts(pool, 1, args.long_prompt_len, rng)[0]),
+                         "max_tokens": args.long_output_len, TAG_KEY: "long_prompt"}
     server_info = {"base_url": args.base_url, "model": model, "version": version,
                    "endpoint": path}
-    return server_info, bodies[args.warmup:], path
+    return server_info, bodies[args.warmup:], path, long_body
 
 
 def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
@@ -231,7 +273,7 @@ def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
     key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     concurrency = args.max_concurrency or args.num_prompts
-    server_info, timed, path = asyncio.run(_prepare(args, headers))
+    server_info, timed, path, long_body = asyncio.run(_prepare(args, headers))
     arrivals = random.Random(args.seed + 1)
     offsets, t = [], 0.0
     for _ in timed:  # request i is sent `offsets[i]` seconds after the start (Poisson)
@@ -239,6 +281,8 @@ def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
         if math.isfinite(args.request_rate):
             t += arrivals.expovariate(args.request_rate)
     items = list(zip(offsets, timed, strict=True))
+    if long_body is not None:
+        items.append((args.long_prompt_delay, long_body))
     processes = args.client_processes or default_processes(concurrency, os.cpu_count() or 2)
     load_before = os.getloadavg()
     if processes == 1:
@@ -249,6 +293,10 @@ def _run(args: argparse.Namespace, offline: dict | None = None) -> dict:
         results, duration = run_processes(args.base_url, headers, args.timeout, path, items,
                                           concurrency, processes)
     figures = summarize(results, duration)
+    long = [r for r in results if r.tag == "long_prompt"]
+    if long:
+        figures["long_prompt"] = long_prompt_figures(long[0], [r for r in results if r.tag is None],
+                                                     min(r.sent for r in results if r.sent))
     # On a shared machine the load around the run says how far to trust it.
     figures["load_average_1m"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     figures["client_processes"] = processes
@@ -279,6 +327,15 @@ def _print(result: dict) -> None:
         print(f"  {label:<5} ms   mean {r[f'mean_{name}_ms']}, median {r[f'median_{name}_ms']}, "
               f"p99 {r[f'p99_{name}_ms']}")
     print(f"  ITL p99 / median {r['itl_p99_over_median']}")
+    if "long_prompt" in r:
+        lp = r["long_prompt"]
+        if lp["ok"]:
+            print(f"  long prompt ({lp['prompt_tokens']} tokens, sent at {lp['sent_at_s']} s): TTFT "
+                  f"{lp['ttft_ms']} ms; the streams' gaps meanwhile: {lp['gaps_during_prefill']}, "
+                  f"median {lp['median_itl_during_prefill_ms']} ms, p99 "
+                  f"{lp['p99_itl_during_prefill_ms']} ms, max {lp['max_itl_during_prefill_ms']} ms")
+        else:
+            print(f"  long prompt failed: {lp['error']}")
     if "offline" in result:
         o = result["offline"]
         print(f"  offline (bench throughput on {o['device_name']}, {o['commit']}): "
