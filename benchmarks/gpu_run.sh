@@ -17,7 +17,8 @@
 #   the same with prefills through FlashInfer (carry .whl-fi), after its GPU tests;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
 # mixed: 64 streams on gpu-7b's shape with one 32k prompt sent among them (bench serve
-#   --long-prompt-len), per cap on a step's prompt tokens (CAPS, default "512 256").
+#   --long-prompt-len), per cap on a step's prompt tokens (CAPS, default "512 256") and
+#   with paced chunks (RATIOS, --prefill-step-ratio, default "2").
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
 # lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
 #   gpu-7b's kernels without and with one adapter on every prompt.
@@ -351,6 +352,14 @@ mixed)
         if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "mixed-cap$c" --max-model-len 40960 \
                 --max-prefill-tokens-with-decodes "$c"; then
             BENCH_S=$(cap 150) bench_7b "mixed-cap$c" 64 64 --output-len 512 --warmup 1 \
+                --long-prompt-len 32000 --long-prompt-delay 3
+            stop_7b
+        fi
+    done
+    for r in ${RATIOS:-2}; do  # paced chunks (--prefill-step-ratio), within the 512 cap
+        if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "mixed-ratio$r" --max-model-len 40960 \
+                --prefill-step-ratio "$r"; then
+            BENCH_S=$(cap 150) bench_7b "mixed-ratio$r" 64 64 --output-len 512 --warmup 1 \
                 --long-prompt-len 32000 --long-prompt-delay 3
             stop_7b
         fi

@@ -220,6 +220,11 @@ class EngineConfig:
     # long_prefill_token_threshold, which caps each long prompt's chunk in every step, this
     # caps a step's prompt tokens together, and only while decodes share the step.
     max_prefill_tokens_with_decodes: int | None = None
+    # While sequences decode, size each step's prompt tokens so that the step takes about
+    # this many times a decode-only step, from the engine's own step times
+    # (core/prefill_pacer.py), within max_prefill_tokens_with_decodes. None: off (the fixed
+    # cap alone). 2.0 keeps the streams' gaps during a long prompt within about 2x.
+    prefill_step_ratio: float | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -306,6 +311,10 @@ class EngineConfig:
         if cap is not None and (not isinstance(cap, int) or cap < 0):
             raise ValueError("max_prefill_tokens_with_decodes must be an integer >= 0 (0: no "
                              f"cap; None for the default), got {cap!r}")
+        ratio = self.prefill_step_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, int | float)
+                                  or not ratio > 1.0):
+            raise ValueError(f"prefill_step_ratio must be a number > 1 (None: off), got {ratio!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -110,6 +110,9 @@ class Scheduler:
             raise ValueError("max_prefill_tokens_with_decodes must be >= 0 (0: no cap), got "
                              f"{max_prefill_tokens_with_decodes}")
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        # Set by the engine core from its step times (core/prefill_pacer.py): a tighter cap
+        # on the prompt tokens of a step beside decodes. None: the fixed cap alone.
+        self.prefill_chunk_hint: int | None = None
         # Multi-LoRA: the running requests use at most this many adapters together, the
         # workers' slots (0: LoRA off). A waiting request of another adapter waits, and
         # the requests behind it may go first.
@@ -217,6 +220,8 @@ class Scheduler:
 
         # Prompt tokens this step may still take: the cap if any sequence decodes in it.
         cap = self.max_prefill_tokens_with_decodes
+        if self.prefill_chunk_hint:
+            cap = min(cap, self.prefill_chunk_hint) if cap else self.prefill_chunk_hint
         decoding = any(not self._prefilling(r) and self._to_compute(r) for r in self.running)
         prefill_left = cap if cap and decoding else budget
 

@@ -17,6 +17,7 @@ from pagedllm.config import EngineConfig, bidirectional
 from pagedllm.core.block_manager import KVCacheManager
 from pagedllm.core.draft_proposer import DraftModelProposer
 from pagedllm.core.ngram_proposer import NgramProposer
+from pagedllm.core.prefill_pacer import PrefillPacer
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.messages import CoreInfo, EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -107,6 +108,12 @@ class EngineCore:
                     self.executor.page_spec.describe(),
                     full_length_sequences(num_blocks * config.block_size, config.max_model_len))
         self.async_scheduling = bool(config.async_scheduling)
+        self._pacer = None
+        if config.prefill_step_ratio is not None:
+            self._pacer = PrefillPacer(config.prefill_step_ratio,
+                                       config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens)
+        self._launched: dict[int, float] = {}  # id(SchedulerOutput) -> when it was launched
+        self._last_done: float | None = None  # when the last step's results were read
         self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read
         self._stashed: list[EngineCoreOutput] = []  # read after a later step failed to launch
         self._penalized: set[str] = set()  # sequences whose sampling needs their full history
@@ -340,6 +347,10 @@ class EngineCore:
             if prev is not None:
                 outputs += self._complete(*prev)
             return outputs
+        if self._pacer is not None and not so.is_empty:
+            if len(self._launched) > 64:  # steps that failed are never read: forget them
+                self._launched.clear()
+            self._launched[id(so)] = time.monotonic()
         try:
             # An empty step still lets the worker drop aborted requests.
             ex = self.executor
@@ -392,9 +403,24 @@ class EngineCore:
             raise StepError(self._live_ids(so)) from e
         return self._process(so, out)
 
+    def _pace(self, so) -> None:
+        """Time a step that was read (from its launch, or from when the step before it was
+        read if it was queued behind that one) and let the pacer size the next prompt
+        chunks (core/prefill_pacer.py)."""
+        launched = self._launched.pop(id(so), None)
+        now = time.monotonic()
+        if launched is not None:
+            start = launched if self._last_done is None else max(launched, self._last_done)
+            self._pacer.observe(now - start, [(c.num_tokens, c.num_tokens > 1 + len(c.draft_token_ids))
+                                              for c in so.chunks])
+            self.scheduler.prefill_chunk_hint = self._pacer.chunk()
+        self._last_done = now
+
     def _process(self, so, out) -> list[EngineCoreOutput]:
         if so.is_empty:
             return []
+        if self._pacer is not None:
+            self._pace(so)
         outs: dict[str, EngineCoreOutput] = {}
         for sid, why in out.failed.items():  # e.g. NaN logits: that sequence alone ends
             self.abort_requests([sid])

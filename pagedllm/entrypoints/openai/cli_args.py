@@ -201,6 +201,11 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    "so a long prompt is read in chunks that keep streams' inter-token latency "
                    "steady; with no decode running a prompt gets the whole step; 0: no cap "
                    "(default: 512 on GPU, 256 on CPU)")
+    e.add_argument("--prefill-step-ratio", type=float, metavar="R",
+                   help="while sequences decode, size each step's prompt tokens (within "
+                   "--max-prefill-tokens-with-decodes) so that the step takes about R times a "
+                   "decode-only step, from the engine's own step times: a long prompt then keeps "
+                   "the streams' gaps within about R times their usual ITL (default: off)")
     e.add_argument("--block-size", type=_positive_int,
                    help=f"tokens per KV cache block {_default('block_size')}")
     e.add_argument("--num-kv-blocks", type=_positive_int,
@@ -365,7 +370,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Only the flags that were given; the rest keep EngineConfig's defaults."""
     names = ["revision", "download_dir", "tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-             "max_prefill_tokens_with_decodes", "block_size",
+             "max_prefill_tokens_with_decodes", "prefill_step_ratio", "block_size",
              "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",

@@ -1,0 +1,54 @@
+"""Prompt chunks sized to a time budget while streams decode.
+
+A fixed cap on a step's prompt tokens (`max_prefill_tokens_with_decodes`) bounds the work a
+long prompt adds to a step, not its time: the attention of a chunk grows with the context
+already read, so the 512th chunk of a 32k prompt costs far more than the first, and every
+stream waits as long as the slowest step. The pacer bounds time instead. It keeps two
+figures from the steps the engine has timed: how long a step of decodes alone takes, and
+what each prompt token added to the last steps that carried some (an average that follows
+the prompt's growing context). The next chunk is as many tokens as fit in
+(ratio - 1) x the decode step, so a step that carries prompt tokens takes about `ratio`
+times a decode step. The prompt is read in more, smaller steps than under a fixed cap.
+
+Pure Python and no clock of its own: the engine core times its steps and reports them
+(observe), the scheduler asks for the chunk (chunk).
+"""
+
+from __future__ import annotations
+
+
+class PrefillPacer:
+    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16):
+        if not ratio > 1.0:
+            raise ValueError(f"the prefill step ratio must be > 1, got {ratio!r}")
+        self.ratio = ratio
+        self.max_chunk = max(1, max_chunk)
+        self.min_chunk = max(1, min(min_chunk, self.max_chunk))
+        self.decode_s: float | None = None  # a decode-only step (moving average)
+        self.per_token_s: float | None = None  # seconds a prompt token adds to a step
+
+    def observe(self, seconds: float, chunks: list[tuple[int, bool]]) -> None:
+        """A finished step: its duration and its chunks as (tokens, reads the prompt).
+        Steps with no decode in them say nothing about what the streams wait."""
+        prompt = sum(n for n, prefill in chunks if prefill)
+        if seconds <= 0 or not any(not prefill for _, prefill in chunks):
+            return
+        if prompt == 0:
+            self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
+            return
+        if self.decode_s is None:
+            return
+        per = max(seconds - self.decode_s, 0.0) / prompt
+        # Half weight on the newest step: a long prompt's per-token cost keeps rising with
+        # its context, and the chunk must follow it within a step or two.
+        self.per_token_s = per if self.per_token_s is None else 0.5 * self.per_token_s + 0.5 * per
+
+    def chunk(self) -> int | None:
+        """Prompt tokens for the next step beside decodes; None before a decode step has
+        been timed (the fixed cap applies meanwhile)."""
+        if self.decode_s is None:
+            return None
+        if not self.per_token_s:
+            return self.max_chunk  # no prompt step timed yet: the cap, then measure
+        n = int((self.ratio - 1.0) * self.decode_s / self.per_token_s)
+        return max(self.min_chunk, min(self.max_chunk, n))

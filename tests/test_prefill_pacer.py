@@ -1,0 +1,125 @@
+"""Prompt chunks paced by step time (core/prefill_pacer.py, `prefill_step_ratio`).
+
+The pacer against a simulated device whose step time is known (decodes cost a fixed time,
+a prompt token costs more the more context it attends to): the steps that read a long
+prompt beside 64 streams stay near `ratio` times a decode step, where a fixed cap lets
+them grow with the context; and a real engine reads prompts in paced chunks without
+changing a single greedy token."""
+
+from __future__ import annotations
+
+import pytest
+from test_prefill_cap import LONG, make_scheduler, running_decodes
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.prefill_pacer import PrefillPacer
+from pagedllm.core.request import Request
+
+DECODE_S = 0.010  # 64 decodes
+
+
+def device_seconds(chunks) -> float:
+    """The simulated step: the decodes, plus per prompt token 20 us and 2 ns per token of
+    context it attends to (attention's share grows with the prompt read so far)."""
+    t = DECODE_S
+    for c in chunks:
+        if c.num_tokens > 1:
+            mid = c.start + c.num_tokens / 2
+            t += c.num_tokens * (20e-6 + 2e-9 * mid)
+    return t
+
+
+def read_long_prompt(pacer: PrefillPacer | None, cap: int) -> list[tuple[int, float]]:
+    """64 streams decode, then a 32k prompt arrives: (chunk, step seconds) per step until
+    its first token, with the pacer (if any) timing every step."""
+    sched = make_scheduler(cap)
+    running_decodes(sched, 64)
+
+    def run_step() -> tuple[object, float]:
+        if pacer is not None:
+            sched.prefill_chunk_hint = pacer.chunk()
+        out = sched.schedule()
+        seconds = device_seconds(out.chunks)
+        if pacer is not None:
+            pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
+        sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+        return out, seconds
+
+    for _ in range(5):  # decodes alone: the pacer's reference step
+        run_step()
+    long = Request("long", [3] * LONG, max_tokens=4)
+    sched.add_request(long)
+    steps = []
+    while long.num_output_tokens == 0:
+        out, seconds = run_step()
+        steps.append((next(c.num_tokens for c in out.chunks if c.request_id == "long"), seconds))
+    assert sum(n for n, _ in steps) == LONG
+    return steps
+
+
+def test_paced_steps_stay_near_the_ratio_where_a_fixed_cap_grows():
+    fixed = read_long_prompt(None, 512)
+    assert max(t for _, t in fixed) > 4 * DECODE_S  # 512 tokens late in a 32k prompt
+    paced = read_long_prompt(PrefillPacer(2.0, max_chunk=512), 512)
+    times = [t for _, t in paced[3:]]  # after the first steps have been timed
+    assert max(times) <= 2.15 * DECODE_S and min(times[:-1]) >= 1.8 * DECODE_S
+    chunks = [n for n, _ in paced[3:-1]]
+    assert chunks[0] > 2 * chunks[-1]  # fewer tokens a step as the context grows
+    assert len(paced) > len(fixed)  # the price: the prompt takes more steps
+
+
+def test_pacer_figures():
+    p = PrefillPacer(2.0, max_chunk=256, min_chunk=16)
+    assert p.chunk() is None  # nothing timed: the fixed cap
+    p.observe(0.5, [(100, True)])  # no decode in the step: says nothing about the streams
+    assert p.chunk() is None
+    p.observe(0.010, [(1, False)] * 8)
+    assert p.chunk() == 256  # no prompt step timed yet: the cap, then measure
+    p.observe(0.030, [(1, False)] * 8 + [(100, True)])  # 20 ms for 100 tokens: 0.2 ms each
+    assert p.chunk() == 50  # (2 - 1) x 10 ms / 0.2 ms
+    p.observe(0.210, [(1, False)] * 8 + [(100, True)])  # 2 ms a token now: the average halves in
+    assert p.chunk() == 16  # 10 ms / 1.1 ms -> 9, at least min_chunk
+    assert PrefillPacer(3.0, max_chunk=64).max_chunk == 64
+    with pytest.raises(ValueError, match="> 1"):
+        PrefillPacer(1.0, max_chunk=64)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0, "2", True])
+def test_prefill_step_ratio_is_checked(ratio):
+    with pytest.raises(ValueError, match="prefill_step_ratio"):
+        EngineConfig(model="m", prefill_step_ratio=ratio)
+
+
+def test_an_engine_with_pacing_reads_prompts_in_paced_chunks_and_answers_the_same(tiny_models):
+    """The tiny Llama on CPU: four streams decode, then a 300-token prompt arrives under a
+    small budget; with and without pacing. The pacer times the steps (decodes alone, then
+    with the prompt's chunks); pacing changes the chunks, never the tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    path, _ = tiny_models("llama")
+    short = [[5 + i, 9, 13, 17] for i in range(4)]
+    long = [(7 * i) % 200 + 3 for i in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    common = dict(model=path, device="cpu", skip_tokenizer_init=True, max_model_len=512,
+                  max_num_batched_tokens=64, max_prefill_tokens_with_decodes=32, num_kv_blocks=256)
+
+    def run(**extra) -> tuple[dict[str, list[int]], LLM]:
+        llm = LLM(**common, **extra)
+        engine, outs = llm.engine, {}
+        for i, ids in enumerate(short):
+            engine.add_request(f"s{i}", None, ids, params)
+        for _ in range(4):  # the streams decode alone for a few steps
+            engine.step()
+        engine.add_request("long", None, long, params)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+        return outs, llm
+
+    want, _ = run()
+    got, llm = run(prefill_step_ratio=1.5)
+    assert got == want and set(got) == {"s0", "s1", "s2", "s3", "long"}
+    pacer = llm.engine.core._pacer
+    assert pacer.decode_s is not None and pacer.per_token_s is not None
+    assert 1 <= pacer.chunk() <= 32
