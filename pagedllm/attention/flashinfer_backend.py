@@ -91,9 +91,9 @@ class FlashInferPrefillAttention(TritonPagedAttention):
 
     @classmethod
     def _planned(cls, q, k_cache, meta: AttentionMetadata, scale: float) -> _Plan:
-        key = (q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), q.dtype)
+        key = (q.device, q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], float(scale), q.dtype)
         plan = cls._plan
-        if plan is not None and plan.meta is meta and plan.key == key and plan.wrapper is cls._wrappers.get(q.device):
+        if plan is not None and plan.meta is meta and plan.key == key:
             return plan
         qo, kv_indptr, kv_indices, last = cls.plan_arrays(meta, k_cache.shape[1])
         wrapper = cls._wrapper(q.device)

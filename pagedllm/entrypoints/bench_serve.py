@@ -149,8 +149,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     p99 / median: how much longer the worst gaps are than a typical one (a prefill or a
     stall between two tokens shows there, not in the mean). Tagged requests (the long
     prompt) are not counted among the streams."""
-    done = [r for r in results if r.ok and r.tag is None]
     results = [r for r in results if r.tag is None]
+    done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     in_tokens = sum(r.prompt_tokens for r in done)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]

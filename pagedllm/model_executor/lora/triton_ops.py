@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.triton_backend import _dot  # a @ b, float32 in full precision
+
 if TYPE_CHECKING:  # layers.py imports this module when a step runs (no cycle)
     from pagedllm.model_executor.lora.layers import LoRABatch
 
@@ -65,14 +67,21 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
                      mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_base + offs_n[None, :] * san + offs_k[:, None] * sak,
                      mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(xt, at, input_precision="ieee")
-        else:
-            acc += tl.dot(xt, at)
+        acc += _dot(xt, at, IEEE)
     # Each K slice stores its partial sum in its own plane of h (the expand adds them up):
     # no zeroed buffer to launch a fill for, no atomics.
     h_ptrs = h_ptr + pid_k * shs + rows[:, None] * shm + offs_n[None, :] * shn
     tl.store(h_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _summed_h(h_rows, ks, hm, shk, shs, SPLITS: tl.constexpr):
+    """The shrink's SPLITS K slices of h at columns `ks` of these token rows, summed in
+    order (float32)."""
+    ht = tl.load(h_rows + ks[None, :] * shk, mask=hm, other=0.0)
+    for split in range(1, SPLITS):
+        ht += tl.load(h_rows + split * shs + ks[None, :] * shk, mask=hm, other=0.0)
+    return ht
 
 
 @triton.jit
@@ -103,20 +112,13 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
     offs_k = tl.arange(0, BK)
     if K <= BK:  # the rank in one step: this tile's h once, for every output tile
         k_mask = offs_k < K
-        hm = m_mask[:, None] & k_mask[None, :]
-        ht = tl.load(h_rows + offs_k[None, :] * shk, mask=hm, other=0.0)
-        for split in range(1, SPLITS):  # the shrink's K slices, summed in order
-            ht += tl.load(h_rows + split * shs + offs_k[None, :] * shk, mask=hm, other=0.0)
+        ht = _summed_h(h_rows, offs_k, m_mask[:, None] & k_mask[None, :], shk, shs, SPLITS)
         for g in range(GROUP):
             offs_n = n_first + g * BN + tl.arange(0, BN)
             n_mask = offs_n < N
             bt = tl.load(b_base + offs_n[None, :] * sbn + offs_k[:, None] * sbk,
                          mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(ht, bt, input_precision="ieee")
-            else:
-                acc = tl.dot(ht.to(bt.dtype), bt)
-            _add_into(y_ptr, rows, offs_n, m_mask, n_mask, sym, syn, acc)
+            _add_into(y_ptr, rows, offs_n, m_mask, n_mask, sym, syn, _dot(ht.to(bt.dtype), bt, IEEE))
     else:
         for g in range(GROUP):
             offs_n = n_first + g * BN + tl.arange(0, BN)
@@ -125,16 +127,10 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, tok_ptr, cnt_ptr, start_ptr, tile_slot_p
             for k0 in range(0, K, BK):
                 ks = k0 + offs_k
                 k_mask = ks < K
-                hm = m_mask[:, None] & k_mask[None, :]
-                ht = tl.load(h_rows + ks[None, :] * shk, mask=hm, other=0.0)
-                for split in range(1, SPLITS):
-                    ht += tl.load(h_rows + split * shs + ks[None, :] * shk, mask=hm, other=0.0)
+                ht = _summed_h(h_rows, ks, m_mask[:, None] & k_mask[None, :], shk, shs, SPLITS)
                 bt = tl.load(b_base + offs_n[None, :] * sbn + ks[:, None] * sbk,
                              mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if IEEE:
-                    acc += tl.dot(ht, bt, input_precision="ieee")
-                else:
-                    acc += tl.dot(ht.to(bt.dtype), bt)
+                acc += _dot(ht.to(bt.dtype), bt, IEEE)
             _add_into(y_ptr, rows, offs_n, m_mask, n_mask, sym, syn, acc)
 
 
