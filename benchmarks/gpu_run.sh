@@ -221,21 +221,23 @@ long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
     # in the same run), 16 x (32,000 in, 128 out) against HF generate, a 128k prompt.
     # long-fi: the same with prefills through FlashInfer (.whl-fi carried), after its GPU
-    # tests; a warm-up run builds its kernels.
-    warm=0
+    # tests; a warm-up run builds its kernels. STEPS picks (default all): tests ttft 128k many.
+    warm=0 STEPS=${STEPS:-tests ttft 128k many}
     if [[ $1 == long-fi ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
             >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
-        timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_flashinfer_attention.py 2>&1 | tail -3
+        [[ $STEPS == *tests* ]] && timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu \
+            tests/test_flashinfer_attention.py 2>&1 | tail -3
         export PAGEDLLM_ATTENTION_BACKEND=flashinfer
         warm=1
     fi
-    timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
-        --backend both --repeats 3 --warmup $warm --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
-    timeout "$(cap 300)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
-        --backend both --warmup $warm --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
-    timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-128k \
-        --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
+    [[ $STEPS == *ttft* ]] && timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \
+        --workload gpu-long-ttft --backend both --repeats 3 --warmup $warm \
+        --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
+    [[ $STEPS == *128k* ]] && timeout "$(cap 180)" python3 -m pagedllm.entrypoints.bench throughput \
+        --workload gpu-long-128k --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
+    [[ $STEPS == *many* ]] && timeout "$(cap 400)" python3 -m pagedllm.entrypoints.bench throughput \
+        --workload gpu-long --backend both --warmup $warm --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
     summary "$OUT"/gpu-long*.json
     ;;
 spec)
