@@ -7,7 +7,7 @@ then with each layer's shrink + expand. Steps: 256 decode rows all on one adapte
 lora1 workload), 256 rows over four adapters, 64 rows on one, 768 rows on one (256 decodes
 beside a 512-token chunk of a prompt: the engine's mixed steps) and an 8,192-row prefill
 chunk on one. Swept: token rows per tile (DECODE_BLOCK_M up to 256 rows, PREFILL_BLOCK_M
-past), K slices of the shrink (SHRINK_MAX_SPLIT_K, SHRINK_PREFILL_SPLIT_K), output columns
+past), the most K slices of the shrink (SHRINK_MAX_SPLIT_K, SHRINK_PREFILL_SPLIT_K), output columns
 and tiles per expand program (EXPAND_BLOCK_N, EXPAND_MAX_GROUP); pagedllm/model_executor/lora.
 Each setting's delta is first checked against lora_delta_torch in float32. Prints
 microseconds per layer and the share the LoRA kernels add to the base products (the

@@ -196,12 +196,13 @@ def test_block_hashes_depend_on_adapter():
 
 def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  only: int | None = None, r: int = 24, n: int = 70, block_n: int | None = None,
-                 prefill_split: int = 1):
+                 prefill_split: int | None = None):
     """The kernels against the torch path (in float32), and that against a per-token loop.
     `only`: every token on that one slot (-1: none has an adapter; the tile table is then
     all unused entries). `block_n`: the expand's output tile width for this case (narrow
     tiles make several per program: the expand's grouping, a part-filled last group).
-    `prefill_split`: the K slices of a shrink over 256 rows (SHRINK_PREFILL_SPLIT_K)."""
+    `prefill_split`: the most K slices of a shrink over 256 rows (SHRINK_PREFILL_SPLIT_K;
+    None: the module's)."""
     from pagedllm.model_executor.lora import triton_ops
     from pagedllm.model_executor.lora.layers import LoRABatch, lora_delta_torch
     from pagedllm.model_executor.lora.triton_ops import lora_expand, lora_shrink
@@ -219,7 +220,7 @@ def _kernel_case(m: int, k: int, device: str = "cpu", dtype: torch.dtype = torch
     dev = [t.to(device, dtype) for t in (x, a, b, base)]
     default_bn, default_split = triton_ops.EXPAND_BLOCK_N, triton_ops.SHRINK_PREFILL_SPLIT_K
     triton_ops.EXPAND_BLOCK_N = block_n or default_bn
-    triton_ops.SHRINK_PREFILL_SPLIT_K = prefill_split
+    triton_ops.SHRINK_PREFILL_SPLIT_K = prefill_split or default_split
     try:
         if block_n:  # the case does group output tiles
             n_tiles = -(-n // block_n)
@@ -269,7 +270,7 @@ def test_triton_kernels_interpreted(tmp_path):
     pytest.importorskip("triton")
     code = ("import sys; sys.path.insert(0, 'tests'); import test_lora; "
             "test_lora._kernel_case(37, 1100); test_lora._kernel_case(300, 40); "
-            "test_lora._kernel_case(300, 1100); test_lora._kernel_case(300, 1100, prefill_split=4); "
+            "test_lora._kernel_case(300, 1100, prefill_split=1); test_lora._kernel_case(300, 1100); "
             "test_lora._kernel_case(40, 64, only=2); test_lora._kernel_case(300, 64, only=-1); "
             "test_lora._kernel_case(37, 1100, n=150, block_n=16); "
             "test_lora._kernel_case(37, 300, r=80, n=150, block_n=16); "
@@ -279,6 +280,25 @@ def test_triton_kernels_interpreted(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def test_shrink_split_fills_the_gpu(monkeypatch):
+    """K slices per shrink program on a 132-SM card, for the steps the H100 measurements
+    chose them by (lora_kernel_bench): 256 decodes (20 table entries) split 8 ways at
+    K 4,096; decodes with a 512-token chunk (16 entries of 64 rows) 16 ways; an 8,192-token
+    chunk (132 entries) 2 ways; never past the cap or under 4 K steps a slice."""
+    pytest.importorskip("triton")
+    from pagedllm.model_executor.lora import triton_ops
+
+    monkeypatch.setattr(triton_ops, "_num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert triton_ops.shrink_split_k(20, 256, 4096, 128, cpu) == 8
+    assert triton_ops.shrink_split_k(20, 256, 11008, 128, cpu) == 14
+    assert triton_ops.shrink_split_k(16, 768, 4096, 64, cpu) == 16
+    assert triton_ops.shrink_split_k(132, 8192, 4096, 64, cpu) == 2
+    assert triton_ops.shrink_split_k(16, 768, 200, 64, cpu) == 1
+    monkeypatch.setattr(triton_ops, "SHRINK_PREFILL_SPLIT_K", 4)
+    assert triton_ops.shrink_split_k(16, 768, 4096, 64, cpu) == 4
 
 
 @pytest.mark.gpu
