@@ -47,7 +47,8 @@ for path in sys.argv[1:]:
     if "pagedllm" in res or "hf" in res:
         p, h = res.get("pagedllm", {}), res.get("hf", {})
         print(f"{path}: pagedllm {p.get('output_tokens_per_s')} tok/s  hf {h.get('output_tokens_per_s')}  "
-              f"ratio {r.get('ratio')}  roofline {r.get('roofline', {}).get('achieved_fraction')}")
+              f"ratio {r.get('ratio')}  roofline {r.get('roofline', {}).get('achieved_fraction')}  "
+              f"preemptions {p.get('num_preemptions')}")
     else:
         keys = ("completed", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                 "p99_tpot_ms", "median_itl_ms", "p99_itl_ms")
@@ -221,7 +222,8 @@ long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
     # in the same run), 16 x (32,000 in, 128 out) against HF generate, a 128k prompt.
     # long-fi: the same with prefills through FlashInfer (.whl-fi carried), after its GPU
-    # tests; a warm-up run builds its kernels. STEPS picks (default all): tests ttft 128k many.
+    # tests; a warm-up run builds its kernels. STEPS picks (default all): tests ttft
+    # 128k many, and capN (gpu-long alone at --max-prefill-tokens-with-decodes N).
     warm=0 STEPS=${STEPS:-tests ttft 128k many}
     if [[ $1 == long-fi ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
@@ -238,6 +240,12 @@ long|long-fi)
         --workload gpu-long-128k --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
     [[ $STEPS == *many* ]] && timeout "$(cap 400)" python3 -m pagedllm.entrypoints.bench throughput \
         --workload gpu-long --backend both --warmup $warm --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
+    # capN: gpu-long alone (no warm-up run) per cap on a step's prompt tokens beside decodes
+    for c in $STEPS; do
+        [[ $c == cap* ]] && timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload gpu-long --warmup 0 --max-prefill-tokens-with-decodes "${c#cap}" \
+            --output-json "$OUT/gpu-long-$c.json" 2>&1 | tail -4
+    done
     summary "$OUT"/gpu-long*.json
     ;;
 spec)

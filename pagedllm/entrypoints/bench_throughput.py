@@ -76,6 +76,9 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    default=256)
     e.add_argument("--max-num-batched-tokens", "--max-tokens-per-batch",
                    dest="max_num_batched_tokens", type=int)
+    e.add_argument("--max-prefill-tokens-with-decodes", type=int,
+                   help="prompt tokens a step may read while sequences decode (default: the "
+                        "engine's; 0: the whole budget)")
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="CPU KV pool, e.g. 4GiB")
@@ -232,6 +235,8 @@ class EngineBackend:
             kwargs["quantization"] = cfg.quantization
         if cfg.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = cfg.kv_cache_dtype
+        if getattr(args, "max_prefill_tokens_with_decodes", None) is not None:
+            kwargs["max_prefill_tokens_with_decodes"] = args.max_prefill_tokens_with_decodes
         if args.block_size is not None:  # otherwise the engine's default
             kwargs["block_size"] = args.block_size
         if args.kv_cache_memory is not None:
@@ -268,6 +273,8 @@ class EngineBackend:
         info = {"async_scheduling": self.llm.engine.async_scheduling,
                 "batch_invariant": bool(self.llm.engine.config.batch_invariant)}
         stats = self.llm.engine.stats()
+        # Sequences preempted (their KV recomputed later) over every run, warm-up included.
+        info["num_preemptions"] = stats.num_preemptions
         if stats.spec_num_drafts:
             info["spec_decode"] = {"drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens,
                                    "accepted_tokens": stats.spec_num_accepted_tokens}
