@@ -223,7 +223,8 @@ long|long-fi)
     # in the same run), 16 x (32,000 in, 128 out) against HF generate, a 128k prompt.
     # long-fi: the same with prefills through FlashInfer (.whl-fi carried), after its GPU
     # tests; a warm-up run builds its kernels. STEPS picks (default all): tests ttft
-    # 128k many, and capN (gpu-long alone at --max-prefill-tokens-with-decodes N).
+    # 128k many, attn (the attention tests), capN / hcapN (gpu-long at
+    # --max-prefill-tokens-with-decodes N; hcap: HF in the same run).
     warm=0 STEPS=${STEPS:-tests ttft 128k many}
     if [[ $1 == long-fi ]]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
@@ -240,11 +241,15 @@ long|long-fi)
         --workload gpu-long-128k --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
     [[ $STEPS == *many* ]] && timeout "$(cap 400)" python3 -m pagedllm.entrypoints.bench throughput \
         --workload gpu-long --backend both --warmup $warm --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
-    # capN: gpu-long alone (no warm-up run) per cap on a step's prompt tokens beside decodes
+    # capN: gpu-long (no warm-up run) per cap on a step's prompt tokens beside decodes;
+    # hcapN: the same with HF generate in the run; attn: the attention kernels' tests first
     for c in $STEPS; do
-        [[ $c == cap* ]] && timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \
-            --workload gpu-long --warmup 0 --max-prefill-tokens-with-decodes "${c#cap}" \
-            --output-json "$OUT/gpu-long-$c.json" 2>&1 | tail -4
+        [[ $c == attn ]] && timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider \
+            tests/test_triton_attention.py -m "gpu or not gpu" 2>&1 | tail -4
+        [[ $c == cap* || $c == hcap* ]] && timeout "$(cap 300)" python3 -m pagedllm.entrypoints.bench \
+            throughput --workload gpu-long --warmup 0 --max-prefill-tokens-with-decodes "${c#*cap}" \
+            --backend "$([[ $c == h* ]] && echo both || echo pagedllm)" \
+            --output-json "$OUT/gpu-long-$c.json" 2>&1 | tail -5
     done
     summary "$OUT"/gpu-long*.json
     ;;

@@ -114,7 +114,7 @@ def _attend_block(q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, 
 @triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes, Sinks,
-    scale_log2, v_scale, window, softcap_log2,
+    Part, PartML, scale_log2, v_scale, window, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -122,6 +122,7 @@ def _paged_attention_kernel(
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True, FP8_F16: tl.constexpr = False,
+    KV_SPLITS: tl.constexpr = 1,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -134,6 +135,8 @@ def _paged_attention_kernel(
         ctx_lens += tok
         tile_seq += tok
         tile_q += tok
+        Part += tok
+        PartML += tok
         launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,9 +168,15 @@ def _paged_attention_kernel(
     slope = 0.0  # per-row ALiBi slope, in the log2 domain the scores live in
     if ALIBI:
         slope = tl.load(Slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    if SINKS:  # the sink's score (log2 domain), weight exp2(0) = 1, value zero
+    split = 0
+    if KV_SPLITS > 1:  # flash-decoding (DIRECT launches only): this program's key range
+        split = tl.program_id(2)
+    if SINKS:  # the sink's score (log2 domain), weight exp2(0) = 1, value zero (one split's)
         m_i = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        if KV_SPLITS > 1:
+            m_i = tl.where(split == 0, m_i, -1.0e30)
+            l_i = tl.where(split == 0, l_i, 0.0)
     else:
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -189,6 +198,12 @@ def _paged_attention_kernel(
             full_end = tl.maximum((ctx - qlen + q0 + 1) // BLOCK_N * BLOCK_N, kv_start)
         else:
             full_end = kv_end // BLOCK_N * BLOCK_N
+    if KV_SPLITS > 1:  # keys [lo, hi) of the sequence's, whole key blocks a split
+        chunk = tl.cdiv(tl.cdiv(kv_end, KV_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        kv_end = tl.minimum(lo + chunk, kv_end)
+        kv_start = tl.maximum(kv_start, lo)
+        full_end = tl.minimum(tl.maximum(full_end, kv_start), kv_end)
     for start in range(kv_start, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
@@ -199,12 +214,55 @@ def _paged_attention_kernel(
             q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
             scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
             PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, True)
+    if KV_SPLITS > 1:  # the split's unnormalised sums, for _combine_splits_kernel
+        part = (seq * tl.num_programs(1) + kvh) * KV_SPLITS + split
+        tl.store(Part + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], acc)
+        tl.store(PartML + part * 2 * BLOCK_M + m, m_i)
+        tl.store(PartML + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
+        return
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if FP8:  # the values were v / v_scale
         out = out * v_scale
     tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(Part, PartML, Out, q_starts, v_scale, stride_ot, stride_oh,
+                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_D: tl.constexpr, KV_SPLITS: tl.constexpr, FP8: tl.constexpr,
+                           PDL: tl.constexpr):
+    """A decode's output from its KV_SPLITS partial softmaxes (flash-decoding): each split's
+    sums rescaled to the largest running maximum, added, normalised once."""
+    if PDL:
+        tok = wait()
+        Part += tok
+        PartML += tok
+        q_starts += tok
+        launch_dependents()
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    first = (seq * tl.num_programs(1) + kvh) * KV_SPLITS
+    m_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    for s in range(KV_SPLITS):
+        m_max = tl.maximum(m_max, tl.load(PartML + (first + s) * 2 * BLOCK_M + m))
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(KV_SPLITS):
+        w = tl.exp2(tl.load(PartML + (first + s) * 2 * BLOCK_M + m) - m_max)
+        l_sum += w * tl.load(PartML + (first + s) * 2 * BLOCK_M + BLOCK_M + m)
+        acc += w[:, None] * tl.load(Part + (first + s) * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :])
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    if FP8:
+        out = out * v_scale
+    row = tl.load(q_starts + seq).to(tl.int64)
+    head = kvh * GROUP + m % GROUP
+    ok = (m < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(Out + row * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=ok)
 
 
 @triton.jit
@@ -287,6 +345,28 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+# Flash-decoding: a decode launch with fewer than KV_SPLIT_WAVES (sequence, KV head)
+# programs per SM splits each sequence's keys over up to MAX_KV_SPLITS programs (whole key
+# blocks each) until that many run, and a second kernel adds the splits' partial
+# softmaxes. Without it a few long sequences (16 x 32k prompts decoding four at a time:
+# 32 programs on 132 SMs) read their keys on a quarter of the GPU. The count depends only
+# on the batch and the device, so a captured decode graph keeps it for any context length.
+MAX_KV_SPLITS = 16
+KV_SPLIT_WAVES = 2
+_SM_COUNT: dict = {}
+
+
+def kv_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """Key splits per (sequence, KV head) of a decode launch (1: no split)."""
+    if device.type != "cuda":
+        sms = 8  # Triton's interpreter on the CPU: split as a small GPU would
+    else:
+        if device not in _SM_COUNT:
+            _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SM_COUNT[device]
+    return max(1, min(MAX_KV_SPLITS, triton.cdiv(KV_SPLIT_WAVES * sms, max(num_seqs * kv_heads, 1))))
+
+
 class TritonPagedAttention:
     name = "triton"
     supports_alibi = True
@@ -353,6 +433,7 @@ class TritonPagedAttention:
             GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
             ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
             Sinks=q if sinks is None else sinks, SINKS=sinks is not None,  # any pointer when unused
+            Part=q, PartML=q,  # flash-decoding's partial sums (set where a decode launch splits)
             CAUSAL=causal,
             FP8_F16=fp8 and q.dtype != torch.float32 and TritonPagedAttention.FP8_COMPUTE == "fp16",
             **pdl.kernel_options(q),
@@ -382,10 +463,23 @@ class TritonPagedAttention:
                 WINDOW=common["WINDOW"], PDL=common["PDL"],
                 **({"launch_pdl": True} if common["PDL"] else {}), **cls.DECODE_ROWS_LAUNCH)
         elif meta.num_decode:
-            _paged_attention_kernel[(meta.num_decode, hkv)](
-                *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=max(16, _pow2(group)),
-                DIRECT=True, **common,
-                **(cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH))
+            launch = cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH
+            block_m = max(16, _pow2(group))
+            splits = 1 if sliding_window is not None else kv_splits(meta.num_decode, hkv, q.device)
+            if splits > 1:
+                n = meta.num_decode * hkv * splits
+                common["Part"] = torch.empty(n * block_m * common["BLOCK_D"], dtype=torch.float32,
+                                             device=q.device)
+                common["PartML"] = torch.empty(n * 2 * block_m, dtype=torch.float32, device=q.device)
+            _paged_attention_kernel[(meta.num_decode, hkv, splits)](
+                *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=block_m,
+                DIRECT=True, KV_SPLITS=splits, **common, **launch)
+            if splits > 1:
+                _combine_splits_kernel[(meta.num_decode, hkv)](
+                    common["Part"], common["PartML"], out, meta.q_start, common["v_scale"],
+                    out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=block_m,
+                    BLOCK_D=common["BLOCK_D"], KV_SPLITS=splits, FP8=common["FP8"], PDL=common["PDL"],
+                    **({"launch_pdl": True} if common["PDL"] else {}), num_warps=4)
         if meta.num_prefill_tiles:
             cls._prefill(q, k_cache, v_cache, out, meta, scale, args, common, slopes,
                          plain=(alibi_slopes is None and sliding_window is None and logits_soft_cap is None
