@@ -245,7 +245,7 @@ long|long-fi)
     # hcapN: the same with HF generate in the run; attn: the attention kernels' tests first
     for c in $STEPS; do
         [[ $c == attn ]] && timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider \
-            tests/test_triton_attention.py -m "gpu or not gpu" 2>&1 | tail -4
+            tests/test_triton_attention.py -m "gpu or not gpu" ${ATTN_K:+-k "$ATTN_K"} 2>&1 | tail -4
         [[ $c == cap* || $c == hcap* ]] && timeout "$(cap 300)" python3 -m pagedllm.entrypoints.bench \
             throughput --workload gpu-long --warmup 0 --max-prefill-tokens-with-decodes "${c#*cap}" \
             --backend "$([[ $c == h* ]] && echo both || echo pagedllm)" \
