@@ -182,6 +182,7 @@ def test_split_decodes_match_torch(monkeypatch, feature):
     the same decodes unsplit give the same result."""
     from pagedllm.attention import triton_backend
 
+    monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 16)
     monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 64)
     assert triton_backend.kv_splits(4, 2, torch.device(DEV)) == 16
     seqs = [(1, 1), (1, 70), (1, 300), (1, 1100)]

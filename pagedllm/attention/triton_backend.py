@@ -351,7 +351,8 @@ def _pow2(x: int) -> int:
 # softmaxes. Without it a few long sequences (16 x 32k prompts decoding four at a time:
 # 32 programs on 132 SMs) read their keys on a quarter of the GPU. The count depends only
 # on the batch and the device, so a captured decode graph keeps it for any context length.
-MAX_KV_SPLITS = 16
+# Off (1) until a GPU run has measured it: PAGEDLLM_DECODE_KV_SPLITS=16 turns it on.
+MAX_KV_SPLITS = int(os.environ.get("PAGEDLLM_DECODE_KV_SPLITS", "1"))
 KV_SPLIT_WAVES = 2
 _SM_COUNT: dict = {}
 
