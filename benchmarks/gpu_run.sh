@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -27,6 +27,8 @@
 # kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
 # attn: benchmarks/attn_decode_bench.py (decode attention over bf16 / fp8 pages);
 # eager: benchmarks/eager_host_cost.py (host microseconds per piece of an eager MoE step);
+# pending: the split-decode tests, gpu-long without / with flash-decoding, eager MoE at 48
+#   layers;
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
 set -uo pipefail
@@ -300,6 +302,21 @@ eager)
     # the eager and CUDA-graph steps of the same engine.
     timeout "$(cap 300)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers "${LAYERS:-8}" --batch 64 \
         --json "$OUT/eager-host-cost.json" 2>&1 | grep -v "Warning\|transformers" | tail -24
+    ;;
+pending)
+    # What the 2026-12-06 session built without a GPU, checked in one call: the split-decode
+    # kernel tests (and the long-length ones), gpu-long without and with flash-decoding
+    # (PAGEDLLM_DECODE_KV_SPLITS=16; HF generate in the second run), then the eager MoE
+    # step against CUDA graphs at the model's 48 layers (issue 33's target shape).
+    timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+        -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -4
+    timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
+        --warmup 0 --output-json "$OUT/gpu-long-nosplit.json" 2>&1 | tail -4
+    PAGEDLLM_DECODE_KV_SPLITS=16 timeout "$(cap 240)" python3 -m pagedllm.entrypoints.bench throughput \
+        --workload gpu-long --warmup 0 --backend both --output-json "$OUT/gpu-long-split.json" 2>&1 | tail -6
+    timeout "$(cap 200)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers 48 --batch 64 \
+        --json "$OUT/eager-host-cost-48.json" 2>&1 | grep -v "Warning\|transformers" | tail -6
+    summary "$OUT"/gpu-long-*.json
     ;;
 embed)
     # Embedding throughput against sentence-transformers in the same run (target 3x).
