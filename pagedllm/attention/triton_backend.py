@@ -352,7 +352,14 @@ def _pow2(x: int) -> int:
 # 32 programs on 132 SMs) read their keys on a quarter of the GPU. The count depends only
 # on the batch and the device, so a captured decode graph keeps it for any context length.
 # Off (1) until a GPU run has measured it: PAGEDLLM_DECODE_KV_SPLITS=16 turns it on.
-MAX_KV_SPLITS = int(os.environ.get("PAGEDLLM_DECODE_KV_SPLITS", "1"))
+def _env_splits() -> int:
+    raw = os.environ.get("PAGEDLLM_DECODE_KV_SPLITS", "1")
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 64:
+        raise ValueError(f"PAGEDLLM_DECODE_KV_SPLITS={raw!r}: expected an integer from 1 (off) to 64")
+    return int(raw)
+
+
+MAX_KV_SPLITS = _env_splits()
 KV_SPLIT_WAVES = 2
 _SM_COUNT: dict = {}
 
