@@ -361,18 +361,24 @@ def _env_splits() -> int:
 
 MAX_KV_SPLITS = _env_splits()
 KV_SPLIT_WAVES = 2
-_SM_COUNT: dict = {}
+_SMS: dict[torch.device, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (what launch sizes are chosen against,
+    here and in the LoRA kernels). Elsewhere (Triton's interpreter on the CPU) a small
+    GPU's 8, so that the interpreted tests split and group work as a GPU run would."""
+    if device.type != "cuda":
+        return 8
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def kv_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
     """Key splits per (sequence, KV head) of a decode launch (1: no split)."""
-    if device.type != "cuda":
-        sms = 8  # Triton's interpreter on the CPU: split as a small GPU would
-    else:
-        if device not in _SM_COUNT:
-            _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        sms = _SM_COUNT[device]
-    return max(1, min(MAX_KV_SPLITS, triton.cdiv(KV_SPLIT_WAVES * sms, max(num_seqs * kv_heads, 1))))
+    want = triton.cdiv(KV_SPLIT_WAVES * num_sms(device), max(num_seqs * kv_heads, 1))
+    return max(1, min(MAX_KV_SPLITS, want))
 
 
 class TritonPagedAttention:

@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.triton_backend import _dot  # a @ b, float32 in full precision
+# _dot: a @ b, float32 in full precision; num_sms: what launch sizes are chosen against
+from pagedllm.attention.triton_backend import _dot
+from pagedllm.attention.triton_backend import num_sms as _num_sms
 
 if TYPE_CHECKING:  # layers.py imports this module when a step runs (no cycle)
     from pagedllm.model_executor.lora.layers import LoRABatch
@@ -153,20 +155,6 @@ EXPAND_MIN_WAVES = 2
 
 def _pow2(n: int, lo: int = 16, hi: int = 128) -> int:
     return max(lo, min(hi, triton.next_power_of_2(n)))
-
-
-_SMS: dict[torch.device, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device. Elsewhere (Triton's interpreter on the
-    CPU) a small GPU's 8, so that the interpreted tests split K and group tiles as a GPU
-    run would."""
-    if device.type != "cuda":
-        return 8
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
 
 
 def expand_group(token_tiles: int, n_tiles: int, device: torch.device) -> int:
