@@ -27,8 +27,8 @@
 # kernels: the fused kernels' GPU tests, eager MoE host cost, a batch-1 gpu-moe profile;
 # attn: benchmarks/attn_decode_bench.py (decode attention over bf16 / fp8 pages);
 # eager: benchmarks/eager_host_cost.py (host microseconds per piece of an eager MoE step);
-# pending: the split-decode tests, gpu-long without / with flash-decoding, eager MoE at 48
-#   layers;
+# pending: the split-decode tests, gpu-long (FlashInfer prefills; carry .whl-fi) with and
+#   without flash-decoding, without and with the cap of 512 prompt tokens beside decodes;
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
 set -uo pipefail
@@ -304,18 +304,25 @@ eager)
         --json "$OUT/eager-host-cost.json" 2>&1 | grep -v "Warning\|transformers" | tail -24
     ;;
 pending)
-    # What the 2026-12-06 session built without a GPU, checked in one call: the split-decode
-    # kernel tests (and the long-length ones), gpu-long without and with flash-decoding
-    # (PAGEDLLM_DECODE_KV_SPLITS=16; HF generate in the second run), then the eager MoE
-    # step against CUDA graphs at the model's 48 layers (issue 33's target shape).
+    # What the 2026-12-06 sessions built without a GPU, checked in one call: the
+    # split-decode kernel tests (and the long-length ones), then gpu-long with FlashInfer
+    # prefills (carry .whl-fi) and the pool sized without the profile's pages: with
+    # flash-decoding (PAGEDLLM_DECODE_KV_SPLITS=16) and no cap on a step's prompt tokens
+    # beside decodes (HF generate in the run), the same at the server's cap of 512, and
+    # without flash-decoding at no cap.
     timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
         -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -4
-    timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
-        --warmup 0 --output-json "$OUT/gpu-long-nosplit.json" 2>&1 | tail -4
-    PAGEDLLM_DECODE_KV_SPLITS=16 timeout "$(cap 240)" python3 -m pagedllm.entrypoints.bench throughput \
-        --workload gpu-long --warmup 0 --backend both --output-json "$OUT/gpu-long-split.json" 2>&1 | tail -6
-    timeout "$(cap 200)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers 48 --batch 64 \
-        --json "$OUT/eager-host-cost-48.json" 2>&1 | grep -v "Warning\|transformers" | tail -6
+    timeout "$(cap 60)" python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -m gpu \
+        -k "pool" 2>&1 | tail -3
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
+        >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+    export PAGEDLLM_ATTENTION_BACKEND=flashinfer
+    for run in "16 0 both" "16 512 pagedllm" "1 0 pagedllm"; do
+        set -- $run
+        PAGEDLLM_DECODE_KV_SPLITS=$1 timeout "$(cap 300)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload gpu-long --warmup 0 --max-prefill-tokens-with-decodes "$2" --backend "$3" \
+            --output-json "$OUT/gpu-long-split$1-cap$2.json" 2>&1 | tail -5
+    done
     summary "$OUT"/gpu-long-*.json
     ;;
 embed)

@@ -185,3 +185,28 @@ def test_llama3_rope_past_32k_on_cuda_equals_hf(tiny_models):
     hf.to("cpu")
     assert tokens == ref_tokens
     assert lps == pytest.approx(ref_lps, abs=2e-3)
+
+
+@pytest.mark.gpu
+def test_the_pool_is_not_sized_down_by_the_profiles_pages(tiny_models):
+    """The start-up profile gives its sequence a whole max_model_len of pages (here 128k
+    tokens of 16 KiB: 2 GiB). Those pages are scaffolding: the real pool is what is left of
+    gpu_memory_utilization after the weights and the step's activations, not after them."""
+    import torch
+
+    path, _ = tiny_models("llama", max_position_embeddings=131072, hidden_size=512, intermediate_size=1024,
+                          num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    util = 0.5
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="float32", device="cuda", block_size=16,
+              gpu_memory_utilization=util, enforce_eager=True)
+    runner = llm.engine.executor.runner
+    pool = llm.engine.num_kv_blocks * runner.bytes_per_block
+    profile_pages = 131072 * runner.bytes_per_block // 16
+    assert profile_pages == 2 * 2**30
+    total = torch.cuda.get_device_properties(0).total_memory
+    # weights (34 MB) and an 8,192-token step's activations are far below the 2 GiB
+    left_out = total * util - before - pool
+    assert 0 < left_out < profile_pages / 4
+    llm.engine.shutdown()

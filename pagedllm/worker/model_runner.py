@@ -281,13 +281,20 @@ class ModelRunner:
                               self.max_model_len, self.block_size)
 
     def _profile_peak_gpu_bytes(self, num_tokens: int) -> int:
-        """Peak memory of the largest step the scheduler may produce (weights included)."""
+        """Peak memory of the largest step the scheduler may produce (weights included, the
+        profile's own page pool not: the real pool is sized from what is left)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         # Sequences of at most max_model_len tokens filling the whole token budget.
         seq_lens = [min(self.max_model_len, num_tokens - i) for i in range(0, num_tokens, self.max_model_len)]
         per_seq = -(-self.max_model_len // self.block_size)
+        # Each profiled sequence gets a whole max_model_len of pages, so its block table
+        # has the full width the kernels may meet. That pool is scaffolding: at a long
+        # max_model_len it is large (16 GiB for one 128k sequence of Llama-3.1-8B) and,
+        # counted in the peak, would be taken from the real pool.
+        before = torch.cuda.memory_allocated(self.device)
         self.allocate_kv_cache(per_seq * len(seq_lens))
+        profile_pool = torch.cuda.memory_allocated(self.device) - before
         chunks = [ScheduledChunk(f"profile{i}", 0, n, list(range(i * per_seq, (i + 1) * per_seq)), False,
                                  full_table=True) for i, n in enumerate(seq_lens)]
         self._update_states(SchedulerOutput(
@@ -300,7 +307,7 @@ class ModelRunner:
             h = self.model(ids, pos, self.kv_caches, meta)
             self.model.compute_logits(h[-min(num_tokens, 256):])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - profile_pool
         self.kv_caches = []
         del h
         torch.cuda.empty_cache()
