@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -29,6 +29,7 @@
 # eager: benchmarks/eager_host_cost.py (host microseconds per piece of an eager MoE step);
 # pending: the split-decode tests, gpu-long (FlashInfer prefills; carry .whl-fi) with and
 #   without flash-decoding, without and with the cap of 512 prompt tokens beside decodes;
+# caps: gpu-7b and gpu-moe offline at no cap and at the default 512 (WORKLOADS);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
 set -uo pipefail
@@ -324,6 +325,21 @@ pending)
             --output-json "$OUT/gpu-long-split$1-cap$2.json" 2>&1 | tail -5
     done
     summary "$OUT"/gpu-long-*.json
+    ;;
+caps)
+    # What the cap on a step's prompt tokens beside decodes (512 by default on GPU) costs
+    # offline throughput: gpu-7b at no cap, the default, and no cap again (the card's drift),
+    # then gpu-moe at the default and at no cap. WORKLOADS picks (default "gpu-7b gpu-moe").
+    for w in ${WORKLOADS:-gpu-7b gpu-moe}; do
+        runs="0 512"; [[ $w == gpu-7b ]] && runs="0 512 0"
+        i=0
+        for c in $runs; do
+            i=$((i + 1))
+            timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload "$w" \
+                --max-prefill-tokens-with-decodes "$c" --output-json "$OUT/$w-cap$c-$i.json" 2>&1 | tail -2
+        done
+    done
+    summary "$OUT"/gpu-*-cap*.json
     ;;
 embed)
     # Embedding throughput against sentence-transformers in the same run (target 3x).
