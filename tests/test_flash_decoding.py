@@ -1,8 +1,9 @@
 """Flash-decoding (decode launches that split each sequence's keys over programs) on the
 CPU, in Triton's interpreter: the kernel cases of test_triton_attention.py that force
-splits, and a whole engine on the Triton attention backend with splits on, whose greedy
-tokens must equal HF transformers'. In subprocesses: TRITON_INTERPRET and
-PAGEDLLM_DECODE_KV_SPLITS are read when the modules are imported."""
+splits, and a whole engine on the Triton attention backend with the default settings (splits on),
+whose greedy tokens must equal HF transformers', and PAGEDLLM_DECODE_KV_SPLITS=1 turning
+them off. In subprocesses: TRITON_INTERPRET and PAGEDLLM_DECODE_KV_SPLITS are read when
+the modules are imported."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
 for p, o in zip(prompts, outs):
     assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, 6)[0], (o.outputs[0].token_ids, p[:5])
-assert splits and all(n > 1 for n in splits), splits  # every decode launch split its keys
+want_split = sys.argv[2] == "on"
+assert splits and all((n > 1) == want_split for n in splits), splits  # every decode launch
 print("ok", splits[:3])
 """
 
@@ -50,10 +52,15 @@ def test_split_kernel_cases_interpreted():
     assert "skipped" not in res.stdout.splitlines()[-1], res.stdout[-500:]
 
 
-def test_engine_with_split_decodes_matches_hf(tmp_path):
+@pytest.mark.parametrize("splits", ["default", "1"])
+def test_engine_with_split_decodes_matches_hf(tmp_path, splits):
     pytest.importorskip("triton")
-    res = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(tmp_path)], cwd=ROOT,
-                         env=_env(PAGEDLLM_ATTENTION_BACKEND="triton", PAGEDLLM_DECODE_KV_SPLITS="16"),
-                         capture_output=True, text=True, timeout=600)
+    env = _env(PAGEDLLM_ATTENTION_BACKEND="triton")
+    if splits == "default":
+        env.pop("PAGEDLLM_DECODE_KV_SPLITS", None)
+    else:
+        env["PAGEDLLM_DECODE_KV_SPLITS"] = splits
+    res = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(tmp_path), "on" if splits == "default" else "off"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok"), \
         res.stdout[-2000:] + res.stderr[-3000:]

@@ -351,9 +351,11 @@ def _pow2(x: int) -> int:
 # softmaxes. Without it a few long sequences (16 x 32k prompts decoding four at a time:
 # 32 programs on 132 SMs) read their keys on a quarter of the GPU. The count depends only
 # on the batch and the device, so a captured decode graph keeps it for any context length.
-# Off (1) until a GPU run has measured it: PAGEDLLM_DECODE_KV_SPLITS=16 turns it on.
+# Measured on an H100 (benchmarks/results/2026-12-06-gpu-h100-attn-decode-32k-splits-025eb05.json,
+# one layer of Llama-3.1-8B's shape over 32k keys): 2 sequences 828 -> 114 us, 14 sequences
+# (3 splits) 883 -> 624 us, 2,939 GB/s. PAGEDLLM_DECODE_KV_SPLITS=1 turns it off.
 def _env_splits() -> int:
-    raw = os.environ.get("PAGEDLLM_DECODE_KV_SPLITS", "1")
+    raw = os.environ.get("PAGEDLLM_DECODE_KV_SPLITS", "16")
     if not raw.strip().isdigit() or not 1 <= int(raw) <= 64:
         raise ValueError(f"PAGEDLLM_DECODE_KV_SPLITS={raw!r}: expected an integer from 1 (off) to 64")
     return int(raw)

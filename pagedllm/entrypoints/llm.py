@@ -36,7 +36,7 @@ class LLM:
             # tokens beside decodes unless asked: on an H100 the server's 512 made gpu-moe
             # 1.5x slower (4,671 against 7,013 tok/s: every capped step reads all the
             # experts to admit two prompts) and changed nothing on gpu-7b or gpu-long
-            # (benchmarks/results/2026-12-06-gpu-h100-caps-5d15f37.json).
+            # (benchmarks/results/2026-12-06-gpu-h100-caps-6e9e6ad.json).
             kwargs["max_prefill_tokens_with_decodes"] = 0
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         # Read before the weights load, so a wrong folder fails in a second, not minutes.
