@@ -176,7 +176,7 @@ def test_triton_sinks_match_torch(window, invariant):
 @pytest.mark.parametrize("feature", ["plain", "alibi", "softcap", "sinks", "fp8-pages", "mixed-step"])
 def test_split_decodes_match_torch(monkeypatch, feature):
     """Flash-decoding: decodes whose keys are split over programs (16 splits here, forced by
-    making the launch look small), from 1 key to many key blocks, some splits left empty;
+    making the launch look small), from 1 key to many key blocks, some splits left idle;
     the combined outputs equal the torch reference with ALiBi, soft-capping, sinks, over
     fp8 pages, and beside prefill rows in the same step. And the split launch really ran:
     the same decodes unsplit give the same result."""
@@ -185,7 +185,9 @@ def test_split_decodes_match_torch(monkeypatch, feature):
     monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 16)
     monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 64)
     assert triton_backend.kv_splits(4, 2, torch.device(DEV)) == 16
-    seqs = [(1, 1), (1, 70), (1, 300), (1, 1100)]
+    # 256 keys fill split 0 alone (SPLIT_MIN_KEYS: it writes the output, no combine), 257
+    # spill one key into split 1, 1100 use five splits of 256 and leave eleven idle
+    seqs = [(1, 1), (1, 70), (1, 256), (1, 257), (1, 300), (1, 1100)]
     if feature == "mixed-step":
         seqs += [(40, 40), (7, 500)]
     q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, 8, 2, 64, 16, torch.float32, seed=11)

@@ -122,7 +122,7 @@ def _paged_attention_kernel(
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True, FP8_F16: tl.constexpr = False,
-    KV_SPLITS: tl.constexpr = 1,
+    KV_SPLITS: tl.constexpr = 1, SPLIT_MIN_KEYS: tl.constexpr = 256,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -149,6 +149,15 @@ def _paged_attention_kernel(
         seq = tl.load(tile_seq + tile)
         q0 = tl.load(tile_q + tile)
     ctx = tl.load(ctx_lens + seq)
+    split = 0
+    chunk = ctx
+    if KV_SPLITS > 1:  # flash-decoding (DIRECT launches only): this program's key range is
+        # [split * chunk, (split + 1) * chunk), whole key blocks and at least SPLIT_MIN_KEYS
+        # each, so a short context leaves the later splits idle (they return at once)
+        split = tl.program_id(2)
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+        if split * chunk >= tl.maximum(ctx, 1):
+            return
     qlen = tl.load(q_lens + seq)
     qstart = tl.load(q_starts + seq)
 
@@ -168,9 +177,6 @@ def _paged_attention_kernel(
     slope = 0.0  # per-row ALiBi slope, in the log2 domain the scores live in
     if ALIBI:
         slope = tl.load(Slopes + head, mask=row_ok, other=0.0) * 1.4426950408889634
-    split = 0
-    if KV_SPLITS > 1:  # flash-decoding (DIRECT launches only): this program's key range
-        split = tl.program_id(2)
     if SINKS:  # the sink's score (log2 domain), weight exp2(0) = 1, value zero (one split's)
         m_i = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
@@ -198,8 +204,7 @@ def _paged_attention_kernel(
             full_end = tl.maximum((ctx - qlen + q0 + 1) // BLOCK_N * BLOCK_N, kv_start)
         else:
             full_end = kv_end // BLOCK_N * BLOCK_N
-    if KV_SPLITS > 1:  # keys [lo, hi) of the sequence's, whole key blocks a split
-        chunk = tl.cdiv(tl.cdiv(kv_end, KV_SPLITS), BLOCK_N) * BLOCK_N
+    if KV_SPLITS > 1:  # keys [lo, hi) of the sequence's (a decode's kv_end is its ctx)
         lo = split * chunk
         kv_end = tl.minimum(lo + chunk, kv_end)
         kv_start = tl.maximum(kv_start, lo)
@@ -214,12 +219,14 @@ def _paged_attention_kernel(
             q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
             scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
             PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, True)
-    if KV_SPLITS > 1:  # the split's unnormalised sums, for _combine_splits_kernel
-        part = (seq * tl.num_programs(1) + kvh) * KV_SPLITS + split
-        tl.store(Part + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], acc)
-        tl.store(PartML + part * 2 * BLOCK_M + m, m_i)
-        tl.store(PartML + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
-        return
+    if KV_SPLITS > 1:
+        if chunk < ctx:  # the split's unnormalised sums, for _combine_splits_kernel
+            part = (seq * tl.num_programs(1) + kvh) * KV_SPLITS + split
+            tl.store(Part + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], acc)
+            tl.store(PartML + part * 2 * BLOCK_M + m, m_i)
+            tl.store(PartML + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
+            return
+        # else split 0 saw every key: its output is final (the combine skips this sequence)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if FP8:  # the values were v / v_scale
@@ -229,29 +236,36 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(Part, PartML, Out, q_starts, v_scale, stride_ot, stride_oh,
+def _combine_splits_kernel(Part, PartML, Out, q_starts, ctx_lens, v_scale, stride_ot, stride_oh,
                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_D: tl.constexpr, KV_SPLITS: tl.constexpr, FP8: tl.constexpr,
-                           PDL: tl.constexpr):
-    """A decode's output from its KV_SPLITS partial softmaxes (flash-decoding): each split's
-    sums rescaled to the largest running maximum, added, normalised once."""
+                           PDL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
+    """A decode's output from the partial softmaxes of the splits that had keys
+    (flash-decoding): each split's sums rescaled to the largest running maximum, added,
+    normalised once. A sequence whose keys all fell in split 0 was written by it."""
     if PDL:
         tok = wait()
         Part += tok
         PartML += tok
         q_starts += tok
+        ctx_lens += tok
         launch_dependents()
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    ctx = tl.load(ctx_lens + seq)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+    if chunk >= ctx:
+        return
+    used = tl.cdiv(ctx, chunk)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     first = (seq * tl.num_programs(1) + kvh) * KV_SPLITS
     m_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    for s in range(KV_SPLITS):
+    for s in range(used):
         m_max = tl.maximum(m_max, tl.load(PartML + (first + s) * 2 * BLOCK_M + m))
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(KV_SPLITS):
+    for s in range(used):
         w = tl.exp2(tl.load(PartML + (first + s) * 2 * BLOCK_M + m) - m_max)
         l_sum += w * tl.load(PartML + (first + s) * 2 * BLOCK_M + BLOCK_M + m)
         acc += w[:, None] * tl.load(Part + (first + s) * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :])
@@ -363,6 +377,10 @@ def _env_splits() -> int:
 
 MAX_KV_SPLITS = _env_splits()
 KV_SPLIT_WAVES = 2
+# Keys a split reads at least: a context shorter than MAX_KV_SPLITS of these uses fewer
+# splits (the rest return at once), and one within the first is written by split 0 with no
+# combine, so short decodes cost the split launch almost nothing.
+SPLIT_MIN_KEYS = 256
 _SMS: dict[torch.device, int] = {}
 
 
@@ -489,12 +507,13 @@ class TritonPagedAttention:
                 common["PartML"] = torch.empty(n * 2 * block_m, dtype=torch.float32, device=q.device)
             _paged_attention_kernel[(meta.num_decode, hkv, splits)](
                 *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=block_m,
-                DIRECT=True, KV_SPLITS=splits, **common, **launch)
+                DIRECT=True, KV_SPLITS=splits, SPLIT_MIN_KEYS=SPLIT_MIN_KEYS, **common, **launch)
             if splits > 1:
                 _combine_splits_kernel[(meta.num_decode, hkv)](
-                    common["Part"], common["PartML"], out, meta.q_start, common["v_scale"],
+                    common["Part"], common["PartML"], out, meta.q_start, meta.ctx_len, common["v_scale"],
                     out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=block_m,
                     BLOCK_D=common["BLOCK_D"], KV_SPLITS=splits, FP8=common["FP8"], PDL=common["PDL"],
+                    BLOCK_N=launch["BLOCK_N"], SPLIT_MIN_KEYS=SPLIT_MIN_KEYS,
                     **({"launch_pdl": True} if common["PDL"] else {}), num_warps=4)
         if meta.num_prefill_tiles:
             cls._prefill(q, k_cache, v_cache, out, meta, scale, args, common, slopes,
