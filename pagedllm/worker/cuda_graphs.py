@@ -12,17 +12,31 @@ LoRABatch's persistent buffer, refreshed before each replay (padding rows use no
 
 Steps that verify speculative drafts have their own graphs (VerifyGraphs): every
 sequence takes k + 1 rows, its last token and up to k drafts, right-aligned so that the
-rows of a sequence with fewer drafts are padding in front of its real ones.
+rows of a sequence with fewer drafts are padding in front of its real ones. Steps that
+carry decodes and a capped prompt chunk may have theirs too (MixedGraphs, opt-in).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
+
+
+def mixed_graph_chunks(prefill_cap: int | None) -> list[int]:
+    """The prompt rows MixedGraphs capture under a cap on a step's prompt tokens beside
+    decodes (a quarter, a half and all of it), or none: they are opt-in
+    (PAGEDLLM_MIXED_GRAPHS=1) until a GPU run has measured them, and not made for no cap or
+    one over 2,048 (such chunks keep the device busy past the launches' host cost)."""
+    if os.environ.get("PAGEDLLM_MIXED_GRAPHS", "0").strip() not in ("1", "true", "on", "yes"):
+        return []
+    if not prefill_cap or prefill_cap > 2048:
+        return []
+    return sorted({max(16, prefill_cap // 4), max(16, prefill_cap // 2), prefill_cap})
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -258,3 +272,153 @@ class VerifyGraphs(_StepGraphs):
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size].index_select(0, self.inputs.field("rows", total))
+
+
+class MixedGraphs(_StepGraphs):
+    """Graphs of the steps that carry decodes and a few rows of prompt (a long prompt read
+    in capped chunks beside running streams). Eagerly such a step costs the host one launch
+    per kernel for the whole model, so with a CUDA-graph decode step beside it every chunk
+    stalls the streams well past the chunk's own device time.
+
+    A graph is captured per (decode size b, chunk rows c): rows [0, b) are decodes laid out
+    as in DecodeGraphs; rows [b, b + c) are up to `max_prompts` prompt chunks packed in
+    order (sequences b .. b + max_prompts - 1) and then padding rows, which form one more
+    sequence of their own (no KV written, positions from 0, finite garbage outputs). The
+    prefill kernel runs over a fixed number of tiles: enough for any split of c rows over
+    those sequences, the spare ones pointing past the padding sequence's last query, where
+    every row is masked. Logits are computed for the b decode rows and the last row of
+    each prompt slot only, into one buffer all the graphs share."""
+
+    def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
+                 chunk_sizes: list[int], tile_q: int, max_prompts: int = 4):
+        super().__init__(max_batch, max_blocks)
+        self.chunks = sorted(chunk_sizes)
+        self.p = p = max_prompts
+        self.tile_q = tile_q
+        b, c, w = self.max_batch, self.chunks[-1], self.width
+        seqs = b + p + 1  # decodes, prompt slots, the padding sequence
+        self.max_tiles = -(-c // tile_q) + p + 1
+        self.inputs = _GraphInputs({"ids": b + c, "pos": b + c, "slots": b + c, "q_start": seqs,
+                                    "q_len": seqs, "ctx": seqs, "tables": seqs * w,
+                                    "tiles": 2 * self.max_tiles, "sample": b + p,
+                                    "gather": b + p}, device)
+        for h in self.inputs.hosts():  # nothing a warm-up run does writes a page
+            self.inputs.field("slots", b + c, h)[:] = -1
+            self.inputs.field("ctx", seqs, h)[:] = 1
+        self.out: torch.Tensor | None = None  # [b + p, vocab], shared by every graph
+        self.replays = 0  # steps served by a replay (the tests check that some were)
+
+        def forward(key: tuple[int, int]) -> torch.Tensor:
+            size, rows = key
+            f = self.inputs.field
+            hidden = model(f("ids", size + rows), f("pos", size + rows), kv_caches, self._meta(size, rows))
+            logits = model.compute_logits(hidden.index_select(0, f("sample", size + p)))
+            if self.out is None:  # the first (largest) size's warm-up run sizes it
+                self.out = torch.empty((b + p, logits.shape[-1]), dtype=logits.dtype, device=device)
+            return self.out[: size + p].copy_(logits)
+
+        def before(key: tuple[int, int]) -> None:  # every row padding, laid out for this graph
+            size, rows = key
+            h, f = self.inputs.next_host(), self.inputs.field
+            f("ids", size, h)[:], f("pos", size, h)[:], f("slots", size, h)[:] = 0, 0, -1
+            f("q_start", size, h)[:], f("q_len", size, h)[:], f("ctx", size, h)[:] = np.arange(size), 1, 1
+            f("sample", size + p, h)[:] = 0
+            self._layout_padding(h, size, rows, 0, [])
+            self.inputs.upload()
+
+        keys = sorted(((s, r) for s in self.sizes for r in self.chunks), key=lambda k: (k[0] + k[1], k))
+        self.graphs, _ = _capture(keys, device, forward, before)
+
+    def _tiles(self, rows: int) -> int:
+        return -(-rows // self.tile_q) + self.p + 1
+
+    def _tables(self, buf=None):
+        seqs = self.max_batch + self.p + 1
+        return self.inputs.field("tables", seqs * self.width, buf).reshape(seqs, self.width)
+
+    def _meta(self, size: int, rows: int) -> AttentionMetadata:
+        f, seqs, nt = self.inputs.field, size + self.p + 1, self._tiles(rows)
+        tiles = f("tiles", 2 * self.max_tiles).view(2, self.max_tiles)
+        return AttentionMetadata(
+            slot_mapping=f("slots", size + rows), num_decode=size, block_tables=self._tables()[:seqs],
+            q_start=f("q_start", seqs), q_len=f("q_len", seqs), ctx_len=f("ctx", seqs),
+            prefill_tiles=tiles[:, :nt], num_prefill_tiles=nt, prefill_tile_q=self.tile_q,
+        )
+
+    def _layout_padding(self, h: np.ndarray, size: int, rows: int, real: int, prompt_lens: list[int]) -> None:
+        """Everything of graph (size, rows) but the real rows: padding decodes (token 0 at
+        position 0, no KV, one key), empty prompt slots, the padding sequence over rows
+        [size + real, size + rows), and the tiles of the prompt chunks and of the padding."""
+        f, p, tq = self.inputs.field, self.p, self.tile_q
+        seqs = size + p + 1
+        q_start, q_len, ctx = f("q_start", seqs, h), f("q_len", seqs, h), f("ctx", seqs, h)
+        pad = rows - real
+        # the padding sequence: rows [size + real, size + rows), positions 0 .. pad - 1
+        f("ids", size + rows, h)[size + real :] = 0
+        f("pos", size + rows, h)[size + real :] = np.arange(pad)
+        f("slots", size + rows, h)[size + real :] = -1
+        q_start[size + p], q_len[size + p], ctx[size + p] = size + real, pad, max(pad, 1)
+        # empty prompt slots
+        n = len(prompt_lens)
+        q_start[size + n : size + p], q_len[size + n : size + p], ctx[size + n : size + p] = size + rows, 0, 1
+        # tiles: each prompt chunk's, the padding's, then spare ones past the padding's queries
+        seq_ids = [size + j for j, ln in enumerate(prompt_lens) for _ in range(-(-ln // tq))]
+        firsts = [k * tq for ln in prompt_lens for k in range(-(-ln // tq))]
+        seq_ids += [size + p] * -(-pad // tq)
+        firsts += [k * tq for k in range(-(-pad // tq))]
+        spare = self._tiles(rows) - len(seq_ids)
+        tiles = f("tiles", 2 * self.max_tiles, h).reshape(2, self.max_tiles)
+        tiles[0, : len(seq_ids) + spare] = seq_ids + [size + p] * spare
+        tiles[1, : len(seq_ids) + spare] = firsts + [max(pad, 1) + tq] * spare
+
+    def run(self, arrays: dict[str, np.ndarray], num_decode: int, sample_rows: list[int],
+            before_replay: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Replay for a step of `num_decode` decodes followed by prompt chunks; the logits of
+        `sample_rows` (rows of the step's layout: decodes, then each chunk's last row), in
+        that order. None if the step does not fit a graph."""
+        lens = arrays["q_len"]
+        n_prompts = len(lens) - num_decode
+        real = int(lens[num_decode:].sum())
+        tables = arrays["tables"]
+        size = self._size_for(num_decode, tables)
+        if size is None or not 0 < n_prompts <= self.p or real > self.chunks[-1] or "lora_slots" in arrays:
+            return None
+        rows = next(r for r in self.chunks if r >= real)
+        p, nd = self.p, num_decode
+        h = self.inputs.next_host()
+        f = self.inputs.field
+        seqs = size + p + 1
+        ids, pos, slots = f("ids", size + rows, h), f("pos", size + rows, h), f("slots", size + rows, h)
+        q_start, q_len, ctx = f("q_start", seqs, h), f("q_len", seqs, h), f("ctx", seqs, h)
+        # decodes: the step's first nd rows and sequences, then padding decodes
+        for name, dst in (("ids", ids), ("positions", pos), ("slots", slots)):
+            dst[:nd] = arrays[name][:nd]
+            dst[size : size + real] = arrays[name][nd:]
+        ids[nd:size], pos[nd:size], slots[nd:size] = 0, 0, -1
+        q_start[:size], q_len[:size] = np.arange(size), 1
+        ctx[:nd], ctx[nd:size] = arrays["ctx_len"][:nd], 1
+        prompt_lens = lens[num_decode:].tolist()
+        q_start[size : size + n_prompts] = arrays["q_start"][nd:] - nd + size
+        q_len[size : size + n_prompts] = lens[nd:]
+        ctx[size : size + n_prompts] = arrays["ctx_len"][nd:]
+        table = self._tables(h)
+        table[:nd, : tables.shape[1]] = tables[:nd]
+        table[size : size + n_prompts, : tables.shape[1]] = tables[nd:]
+        self._layout_padding(h, size, rows, real, prompt_lens)
+        # logits rows: every decode row, and each prompt slot's last row
+        sample = f("sample", size + p, h)
+        sample[:size] = np.arange(size)
+        last = size + np.cumsum(lens[nd:]) - 1
+        sample[size : size + n_prompts] = last
+        sample[size + n_prompts :] = 0
+        # the step's sample rows -> rows of the logits buffer
+        step_rows = np.asarray(sample_rows, dtype=np.int64)
+        chunk_of = np.searchsorted(np.cumsum(lens[nd:]) + nd, step_rows, side="right")
+        gather = np.where(step_rows < nd, step_rows, size + chunk_of)
+        f("gather", size + p, h)[: len(gather)] = gather
+        self.inputs.upload()
+        if before_replay is not None:
+            before_replay(self.inputs.field("ids", nd))
+        self.graphs[(size, rows)].replay()
+        self.replays += 1
+        return self.out.index_select(0, self.inputs.field("gather", len(gather)))

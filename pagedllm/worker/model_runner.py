@@ -35,6 +35,7 @@ from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.pooling_params import PoolingParams, dense_folders, st_modules
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
+from pagedllm.worker.cuda_graphs import mixed_graph_chunks
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
 
@@ -248,6 +249,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []  # per layer: its page_spec.parts
         self.graphs = None  # DecodeGraphs, captured after the KV cache exists (CUDA only)
         self.verify_graphs = None  # VerifyGraphs, for steps that verify drafts (speculation)
+        self.mixed_graphs = None  # MixedGraphs, for decodes beside a capped prompt chunk
         # Tokens sampled by the latest launched step, on the device, and each request's row.
         self._prev_tokens: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
@@ -319,7 +321,7 @@ class ModelRunner:
                 or not getattr(self.backend, "graph_safe", False)
                 or not getattr(self.model, "graph_safe", True)):  # a model's own attention may not be
             return
-        from pagedllm.worker.cuda_graphs import DecodeGraphs, VerifyGraphs
+        from pagedllm.worker.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs
 
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
@@ -336,6 +338,14 @@ class ModelRunner:
                     self.model, self.kv_caches, self.device,
                     min(max_num_seqs, spec.max_batch_size), max_blocks,  # resolve() set the gate
                     spec.num_speculative_tokens + 1, self.backend.tile_q(s.num_heads // s.num_kv_heads))
+            chunks = mixed_graph_chunks(self.config.max_prefill_tokens_with_decodes)
+            if chunks and self.lora is None and getattr(self.model, "prefill_graph_safe", True):
+                s = self.model.shape
+                self.mixed_graphs = MixedGraphs(
+                    self.model, self.kv_caches, self.device, min(max_num_seqs, 256), max_blocks, chunks,
+                    self.backend.tile_q(s.num_heads // s.num_kv_heads))
+                logger.info("mixed steps (decodes beside up to %d prompt rows) replay from %d CUDA graphs",
+                            chunks[-1], len(self.mixed_graphs.graphs))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
@@ -518,13 +528,17 @@ class ModelRunner:
             spec_counts = [len(c.draft_token_ids) + 1 for c in chunks
                            if c.sample and not self.states[c.request_id].pooling]
 
-        graph_logits = None
+        graph_logits = mixed_logits = None
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows and not pool_ids:
             graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
         elif (self.verify_graphs is not None and spec_counts is not None and not plp_rows and not pool_ids
               and all(c.sample and c.num_tokens == len(c.draft_token_ids) + 1 for c in chunks)):
             graph_logits = self.verify_graphs.run(arrays)
-        if graph_logits is None:
+        elif (self.mixed_graphs is not None and 0 < num_decode < len(chunks) and spec_counts is None
+              and not plp_rows and not pool_ids):
+            mixed_logits = self.mixed_graphs.run(arrays, num_decode, sample_rows,
+                                                 lambda ids: self._fill_pending(ids, arrays))
+        if graph_logits is None and mixed_logits is None:
             if self.lora is not None:
                 self.lora.prepare(arrays["lora_slots"], len(arrays["lora_slots"]))
             ids, pos, meta = self._metadata(arrays, num_decode)
@@ -539,11 +553,14 @@ class ModelRunner:
         if not sample_rows:
             self._prev_tokens, self._prev_rows = None, {}
             return self._with_pooled(LaunchedStep(self, out, [], None, None), pooled)
-        (rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
-        if graph_logits is not None:
-            logits = graph_logits.index_select(0, rows)
+        if mixed_logits is not None:  # already the sample rows'
+            logits = mixed_logits
         else:
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            (rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
+            if graph_logits is not None:
+                logits = graph_logits.index_select(0, rows)
+            else:
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
         # NaN propagates through amax and +inf wins; -inf only when all are -inf: a row
         # with none finite cannot be sampled from. Read with the tokens, not here.
         valid = torch.isfinite(logits.amax(-1))
