@@ -78,13 +78,18 @@ def test_llama3_rope_past_8k_equals_hf_with_streams_beside_it(tiny_models):
     assert hf_greedy(twin, long, MAX_NEW)[0] != tokens
 
 
-def test_the_prompt_beside_streams_is_read_in_capped_chunks(tiny_models):
+@pytest.mark.parametrize("cap", [512, None])
+def test_the_prompt_beside_streams_is_read_in_capped_chunks(tiny_models, cap):
     """The engine's own steps: with a stream decoding, the long prompt's chunks stay within
-    the cap and the stream gets a token in every step."""
+    the cap and the stream gets a token in every step. The offline class sets no cap
+    unless asked (None): the prompt then takes the rest of the step's budget (2,048 on
+    CPU)."""
     path, _ = tiny_models("llama", rope_scaling=LLAMA3, max_position_embeddings=16384)
     llm = LLM(model=path, skip_tokenizer_init=True, max_num_seqs=4,
-              max_prefill_tokens_with_decodes=512)
+              **({} if cap is None else {"max_prefill_tokens_with_decodes": cap}))
     engine = llm.engine
+    assert engine.config.max_prefill_tokens_with_decodes == (cap or 0)
+    want = cap or engine.config.max_num_batched_tokens - 1
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     engine.add_request("stream", None, long_prompt(3, 20), params)
     engine.step()  # the stream's prompt, then it decodes
@@ -96,8 +101,8 @@ def test_the_prompt_beside_streams_is_read_in_capped_chunks(tiny_models):
         engine.step()
         chunks.append(long.num_computed_tokens - computed)
         assert stream.num_output_tokens == before + 1
-    assert max(chunks) == 512 and sum(chunks) == PROMPT_LEN
-    assert len(chunks) == -(-PROMPT_LEN // 512)
+    assert max(chunks) == want and sum(chunks) == PROMPT_LEN
+    assert len(chunks) == -(-PROMPT_LEN // want)
 
 
 def test_yarn_serves_past_max_position_embeddings(tiny_models):
