@@ -302,7 +302,9 @@ eager)
     # What an eager decode step costs the host, piece by piece (MoE at batch 64; LAYERS
     # layers, default 8; LAYERS=48 is the whole model, the target shape), against
     # the eager and CUDA-graph steps of the same engine.
+    # (past 24 layers one engine needs most of the card: 0.9 of it, one engine at a time)
     timeout "$(cap 300)" python3 benchmarks/eager_host_cost.py --workload gpu-moe --layers "${LAYERS:-8}" --batch 64 \
+        --gpu-memory-utilization "$( (( ${LAYERS:-8} > 24 )) && echo 0.9 || echo 0.25)" \
         --json "$OUT/eager-host-cost.json" 2>&1 | grep -v "Warning\|transformers" | tail -24
     ;;
 pending)
