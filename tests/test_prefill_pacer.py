@@ -18,18 +18,21 @@ from pagedllm.core.request import Request
 DECODE_S = 0.010  # 64 decodes
 
 
-def device_seconds(chunks) -> float:
+def device_seconds(chunks, fixed: float = 0.0) -> float:
     """The simulated step: the decodes, plus per prompt token 20 us and 2 ns per token of
-    context it attends to (attention's share grows with the prompt read so far)."""
+    context it attends to (attention's share grows with the prompt read so far), plus
+    `fixed` for any step that carries prompt tokens (an eager step beside graph decodes)."""
     t = DECODE_S
     for c in chunks:
         if c.num_tokens > 1:
             mid = c.start + c.num_tokens / 2
             t += c.num_tokens * (20e-6 + 2e-9 * mid)
+    if fixed and any(c.num_tokens > 1 for c in chunks):
+        t += fixed
     return t
 
 
-def read_long_prompt(pacer: PrefillPacer | None, cap: int) -> list[tuple[int, float]]:
+def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0) -> list[tuple[int, float]]:
     """64 streams decode, then a 32k prompt arrives: (chunk, step seconds) per step until
     its first token, with the pacer (if any) timing every step."""
     sched = make_scheduler(cap)
@@ -39,7 +42,7 @@ def read_long_prompt(pacer: PrefillPacer | None, cap: int) -> list[tuple[int, fl
         if pacer is not None:
             sched.prefill_chunk_hint = pacer.chunk()
         out = sched.schedule()
-        seconds = device_seconds(out.chunks)
+        seconds = device_seconds(out.chunks, fixed)
         if pacer is not None:
             pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
         sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
@@ -66,6 +69,25 @@ def test_paced_steps_stay_near_the_ratio_where_a_fixed_cap_grows():
     chunks = [n for n, _ in paced[3:-1]]
     assert chunks[0] > 2 * chunks[-1]  # fewer tokens a step as the context grows
     assert len(paced) > len(fixed)  # the price: the prompt takes more steps
+
+
+@pytest.mark.parametrize("fixed", [0.004, 0.015])
+def test_a_fixed_cost_per_prompt_step_is_fitted_not_spread_over_tokens(fixed):
+    """Each step that carries prompt tokens costs `fixed` more, whatever its chunk (on an
+    H100 a 7B step with a prompt chunk ran eagerly: 30 ms for 256 tokens, 36 for 512,
+    against 9.6 ms for the decodes alone). Counted per token, that cost once shrank the
+    chunks to the 16-token floor: a 32k prompt took some 2,000 steps. The fit takes it
+    from the budget; where it leaves less than half (15 ms against 10), the tokens get
+    half the budget and each step overshoots by about the fixed cost alone."""
+    pacer = PrefillPacer(2.0, max_chunk=512)
+    paced = read_long_prompt(pacer, 512, fixed)
+    assert pacer.fixed_s == pytest.approx(fixed, rel=0.35)
+    times = [t for _, t in paced[4:-1]]
+    budget = DECODE_S  # (ratio - 1) x the decode step
+    bound = DECODE_S + max(budget, fixed + 0.5 * budget)
+    assert max(times) <= 1.1 * bound
+    assert len(paced) < 32768 / 60  # chunks in the tens to hundreds, never the floor
+    assert min(n for n, _ in paced[:-1]) > 2 * pacer.min_chunk
 
 
 def test_pacer_figures():
