@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -30,6 +30,7 @@
 # eager: benchmarks/eager_host_cost.py (host microseconds per piece of an eager MoE step);
 # pending: the split-decode tests, gpu-long (FlashInfer prefills; carry .whl-fi) with and
 #   without flash-decoding, without and with the cap of 512 prompt tokens beside decodes;
+# followup: the split-decode and mixed-graph GPU tests, gpu-moe batch 1 with / without splits;
 # caps: gpu-7b and gpu-moe offline at no cap and at the default 512 (WORKLOADS);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
@@ -328,6 +329,20 @@ pending)
             --output-json "$OUT/gpu-long-split$1-cap$2.json" 2>&1 | tail -5
     done
     summary "$OUT"/gpu-long-*.json
+    ;;
+followup)
+    # What the sixth 2026-12-06 session built after its GPU runs: the split-decode tests
+    # (each split now reads at least 256 keys), the mixed-step graphs' GPU test, then
+    # gpu-moe at batch 1 with flash-decoding (the default) and without it.
+    timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+        -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -3
+    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py 2>&1 | tail -3
+    for s in 16 1; do
+        PAGEDLLM_DECODE_KV_SPLITS=$s timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload gpu-moe --num-prompts 1 --input-len 128 --output-len 256 --repeats 3 \
+            --output-json "$OUT/gpu-moe-b1-split$s.json" 2>&1 | tail -2
+    done
+    summary "$OUT"/gpu-moe-b1-split*.json
     ;;
 caps)
     # What the cap on a step's prompt tokens beside decodes (512 by default on GPU) costs
