@@ -283,6 +283,15 @@ prefill)
 profile)
     # Device time by kernel: one 32k prompt (what TTFT spends beside attention), then an
     # embedding batch of 2,048 x 256 (where the 3x against sentence-transformers goes).
+    # PROFILE="gpu-long": the whole gpu-long run instead (where its last 6 s go; with
+    # FlashInfer prefills when .whl-fi is carried).
+    if [[ ${PROFILE:-} == gpu-long ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
+            >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi PAGEDLLM_ATTENTION_BACKEND=flashinfer
+        timeout "$(cap 400)" python3 benchmarks/profile_kernels.py --workload gpu-long \
+            --json "$OUT/profile-gpu-long.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
+        exit 0
+    fi
     timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-long-ttft \
         --json "$OUT/profile-long-ttft.json" 2>&1 | grep -v "USDT\|Warning" | tail -27
     timeout "$(cap 300)" python3 benchmarks/profile_kernels.py --embed \
