@@ -112,6 +112,13 @@ def _attend_block(q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, 
 
 
 @triton.jit
+def _split_keys(ctx, KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
+    """Keys each split of a decode's `ctx` reads (flash-decoding): whole key blocks, at least
+    SPLIT_MIN_KEYS. The attention kernel and the combine must agree on it."""
+    return tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+
+
+@triton.jit
 def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes, Sinks,
     Part, PartML, scale_log2, v_scale, window, softcap_log2,
@@ -155,7 +162,7 @@ def _paged_attention_kernel(
         # [split * chunk, (split + 1) * chunk), whole key blocks and at least SPLIT_MIN_KEYS
         # each, so a short context leaves the later splits idle (they return at once)
         split = tl.program_id(2)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+        chunk = _split_keys(ctx, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
         if split * chunk >= tl.maximum(ctx, 1):
             return
     qlen = tl.load(q_lens + seq)
@@ -253,7 +260,7 @@ def _combine_splits_kernel(Part, PartML, Out, q_starts, ctx_lens, v_scale, strid
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_lens + seq)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+    chunk = _split_keys(ctx, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
     if chunk >= ctx:
         return
     used = tl.cdiv(ctx, chunk)
