@@ -52,7 +52,6 @@ This module imports triton at the top: import it only when a CUDA tensor needs i
 
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
@@ -60,6 +59,7 @@ import triton
 import triton.language as tl
 
 from pagedllm import pdl
+from pagedllm.attention.triton_backend import num_sms
 from pagedllm.pdl import launch_dependents as _pdl_launch_dependents
 
 
@@ -649,11 +649,6 @@ def supports(in_features: int, group_size: int, bits: int) -> bool:
     return group_size % 16 == 0 or group_size >= in_features
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 DEQUANT_MIN_ROWS = 128  # from this many rows on, dequantize-to-scratch + cuBLAS wins
 
 
@@ -719,7 +714,7 @@ def wna16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
         raise ValueError(f"group size {group_size} is not a multiple of 16")
     if m == 0:
         return x.new_empty(0, n)
-    sms = _num_sms(x.device.index or 0) if x.is_cuda else 8  # CPU: Triton's interpreter (tests)
+    sms = num_sms(x.device)  # CPU (Triton's interpreter, tests): a small GPU's 8
     cfg = config or pick_config(m, n, k, group_size, bits, sms)
     hopper = None  # on Hopper, bf16 and 4-bit: one row by mma_w4a16, 128 and more by wgmma_w4a16 (Gluon)
     if cfg.get("mma") and _gluon_fits("mma_w4a16", x, qweight, scales, qzeros, k, group_size, bits):
