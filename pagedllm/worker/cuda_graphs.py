@@ -124,6 +124,12 @@ class _StepGraphs:
     def _tables(self, buf=None):
         return self.inputs.field("tables", self.max_batch * self.width, buf).reshape(self.max_batch, self.width)
 
+    def _pad_decodes(self, h: np.ndarray, start: int, stop: int) -> None:
+        """Decode rows (and their sequences) [start, stop) as padding: token 0 at position
+        0, no KV written, one key seen."""
+        for name, value in (("ids", 0), ("pos", 0), ("slots", -1), ("ctx", 1)):
+            self.inputs.field(name, stop, h)[start:] = value
+
     def _size_for(self, num_seqs: int, tables: np.ndarray) -> int | None:
         """The smallest captured size holding `num_seqs` sequences; None if none does or
         the block tables are wider than captured."""
@@ -143,7 +149,7 @@ class DecodeGraphs(_StepGraphs):
         for h in self.inputs.hosts():
             self.inputs.field("q_start", b, h)[:] = np.arange(b)
             self.inputs.field("q_len", b, h)[:] = 1
-            self._reset_padding(h, 0)
+            self._pad_decodes(h, 0, b)
         self.inputs.upload()
 
         def before(size: int) -> None:
@@ -167,10 +173,6 @@ class DecodeGraphs(_StepGraphs):
             q_len=f("q_len", size), ctx_len=f("ctx", size),
         )
 
-    def _reset_padding(self, h: np.ndarray, start: int) -> None:
-        b = self.max_batch
-        for name, value in (("ids", 0), ("pos", 0), ("slots", -1), ("ctx", 1)):
-            self.inputs.field(name, b, h)[start:] = value
 
     def run(self, arrays: dict[str, np.ndarray],
             before_replay: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
@@ -185,7 +187,7 @@ class DecodeGraphs(_StepGraphs):
         h = self.inputs.next_host()
         for name, key in (("ids", "ids"), ("pos", "positions"), ("slots", "slots"), ("ctx", "ctx_len")):
             self.inputs.field(name, n, h)[:] = arrays[key]
-        self._reset_padding(h, n)
+        self._pad_decodes(h, n, self.max_batch)
         self._tables(h)[:n, : tables.shape[1]] = tables
         self.inputs.upload()
         if before_replay is not None:
@@ -320,8 +322,8 @@ class MixedGraphs(_StepGraphs):
         def before(key: tuple[int, int]) -> None:  # every row padding, laid out for this graph
             size, rows = key
             h, f = self.inputs.next_host(), self.inputs.field
-            f("ids", size, h)[:], f("pos", size, h)[:], f("slots", size, h)[:] = 0, 0, -1
-            f("q_start", size, h)[:], f("q_len", size, h)[:], f("ctx", size, h)[:] = np.arange(size), 1, 1
+            self._pad_decodes(h, 0, size)
+            f("q_start", size, h)[:], f("q_len", size, h)[:] = np.arange(size), 1
             f("sample", size + p, h)[:] = 0
             self._layout_padding(h, size, rows, 0, [])
             self.inputs.upload()
@@ -394,9 +396,9 @@ class MixedGraphs(_StepGraphs):
         for name, dst in (("ids", ids), ("positions", pos), ("slots", slots)):
             dst[:nd] = arrays[name][:nd]
             dst[size : size + real] = arrays[name][nd:]
-        ids[nd:size], pos[nd:size], slots[nd:size] = 0, 0, -1
+        self._pad_decodes(h, nd, size)
         q_start[:size], q_len[:size] = np.arange(size), 1
-        ctx[:nd], ctx[nd:size] = arrays["ctx_len"][:nd], 1
+        ctx[:nd] = arrays["ctx_len"][:nd]
         prompt_lens = lens[num_decode:].tolist()
         q_start[size : size + n_prompts] = arrays["q_start"][nd:] - nd + size
         q_len[size : size + n_prompts] = lens[nd:]
@@ -406,14 +408,14 @@ class MixedGraphs(_StepGraphs):
         table[size : size + n_prompts, : tables.shape[1]] = tables[nd:]
         self._layout_padding(h, size, rows, real, prompt_lens)
         # logits rows: every decode row, and each prompt slot's last row
+        ends = np.cumsum(lens[nd:])  # each chunk's end among the prompt rows
         sample = f("sample", size + p, h)
         sample[:size] = np.arange(size)
-        last = size + np.cumsum(lens[nd:]) - 1
-        sample[size : size + n_prompts] = last
+        sample[size : size + n_prompts] = size + ends - 1
         sample[size + n_prompts :] = 0
         # the step's sample rows -> rows of the logits buffer
         step_rows = np.asarray(sample_rows, dtype=np.int64)
-        chunk_of = np.searchsorted(np.cumsum(lens[nd:]) + nd, step_rows, side="right")
+        chunk_of = np.searchsorted(ends + nd, step_rows, side="right")
         gather = np.where(step_rows < nd, step_rows, size + chunk_of)
         f("gather", size + p, h)[: len(gather)] = gather
         self.inputs.upload()

@@ -35,7 +35,7 @@ from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.pooling_params import PoolingParams, dense_folders, st_modules
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
-from pagedllm.worker.cuda_graphs import mixed_graph_chunks
+from pagedllm.worker.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs, mixed_graph_chunks
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
 
@@ -321,8 +321,6 @@ class ModelRunner:
                 or not getattr(self.backend, "graph_safe", False)
                 or not getattr(self.model, "graph_safe", True)):  # a model's own attention may not be
             return
-        from pagedllm.worker.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs
-
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
