@@ -39,6 +39,12 @@ OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 bench() { python3 -m pagedllm.entrypoints.bench "$@"; }
+# flashinfer-python and its dependencies from the carried .whl-fi, on the path (its kernels
+# build just in time with the card's nvcc, MAX_JOBS at a time); fails if they do not install.
+install_flashinfer() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
+        >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+}
 summary() {  # one line per result file
     python3 - "$@" <<'EOF'
 import json, sys
@@ -232,8 +238,7 @@ long|long-fi)
     # --max-prefill-tokens-with-decodes N; hcap: HF in the same run).
     warm=0 STEPS=${STEPS:-tests ttft 128k many}
     if [[ $1 == long-fi ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
-            >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+        install_flashinfer
         [[ $STEPS == *tests* ]] && timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu \
             tests/test_flashinfer_attention.py 2>&1 | tail -3
         export PAGEDLLM_ATTENTION_BACKEND=flashinfer
@@ -272,8 +277,7 @@ prefill)
     # dependencies (carry it), FlashInfer's FA2 / FA3 paged prefill (compiled just in time
     # on first use: minutes), then the engine's 32k TTFT with HF in the same run.
     if compgen -G ".whl-fi/*.whl" >/dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
-            >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+        install_flashinfer
     fi
     timeout "$(cap 420)" python3 benchmarks/prefill_attn_bench.py --json "$OUT/prefill-attn.json" 2>&1 \
         | grep -v Warning | tail -16
@@ -286,8 +290,7 @@ profile)
     # PROFILE="gpu-long": the whole gpu-long run instead (where its last 6 s go; with
     # FlashInfer prefills when .whl-fi is carried).
     if [[ ${PROFILE:-} == gpu-long ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
-            >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi PAGEDLLM_ATTENTION_BACKEND=flashinfer
+        install_flashinfer && export PAGEDLLM_ATTENTION_BACKEND=flashinfer
         timeout "$(cap 400)" python3 benchmarks/profile_kernels.py --workload gpu-long \
             --json "$OUT/profile-gpu-long.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
         exit 0
@@ -328,8 +331,7 @@ pending)
         -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -4
     timeout "$(cap 60)" python3 -m pytest -q -p no:cacheprovider tests/test_long_context.py -m gpu \
         -k "pool" 2>&1 | tail -3
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
-        >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+    install_flashinfer
     export PAGEDLLM_ATTENTION_BACKEND=flashinfer
     for run in "16 0 both" "16 512 pagedllm" "1 0 pagedllm"; do
         set -- $run
