@@ -7,13 +7,8 @@ the modules are imported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from interpreted import run_interpreted
 
 ENGINE_CASE = """
 import random, sys
@@ -39,15 +34,10 @@ print("ok", splits[:3])
 """
 
 
-def _env(**extra: str) -> dict:
-    return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT, **extra}
-
-
 def test_split_kernel_cases_interpreted():
     pytest.importorskip("triton")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_triton_attention.py", "-k", "split"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_attention.py",
+                           "-k", "split"], 600)
     assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
     assert "skipped" not in res.stdout.splitlines()[-1], res.stdout[-500:]
 
@@ -55,12 +45,8 @@ def test_split_kernel_cases_interpreted():
 @pytest.mark.parametrize("splits", ["default", "1"])
 def test_engine_with_split_decodes_matches_hf(tmp_path, splits):
     pytest.importorskip("triton")
-    env = _env(PAGEDLLM_ATTENTION_BACKEND="triton")
-    if splits == "default":
-        env.pop("PAGEDLLM_DECODE_KV_SPLITS", None)
-    else:
-        env["PAGEDLLM_DECODE_KV_SPLITS"] = splits
-    res = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(tmp_path), "on" if splits == "default" else "off"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_interpreted(["-c", ENGINE_CASE, str(tmp_path), "on" if splits == "default" else "off"], 600,
+                          PAGEDLLM_ATTENTION_BACKEND="triton",
+                          PAGEDLLM_DECODE_KV_SPLITS=None if splits == "default" else splits)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok"), \
         res.stdout[-2000:] + res.stderr[-3000:]

@@ -9,13 +9,12 @@ from __future__ import annotations
 import copy
 import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from hf_models import hf_greedy
+from interpreted import run_interpreted
 from lora_adapters import make_adapter, set_rank_in_config
 
 from pagedllm import LLM, LoRARequest, SamplingParams
@@ -275,10 +274,7 @@ def test_triton_kernels_interpreted(tmp_path):
             "test_lora._kernel_case(37, 1100, n=150, block_n=16); "
             "test_lora._kernel_case(37, 300, r=80, n=150, block_n=16); "
             f"test_lora._engine_triton_case({str(tmp_path)!r}); print('ok')")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
+    res = run_interpreted(["-c", code], 300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
 
 

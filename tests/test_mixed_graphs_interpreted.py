@@ -5,23 +5,16 @@ also fills the decodes' input tokens on the device."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+from interpreted import run_interpreted
 
 from pagedllm.worker import cuda_graphs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_mixed_layout_interpreted():
     pytest.importorskip("triton")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_mixed_graphs.py", "-k", "layout and True"],
-                         cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT},
-                         capture_output=True, text=True, timeout=900)
+    res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_mixed_graphs.py",
+                           "-k", "layout and True"], 900)
     assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 

@@ -1,0 +1,24 @@
+"""Code run in Triton's interpreter from a CPU test. TRITON_INTERPRET, and the pagedllm
+switches read when a module is imported (PAGEDLLM_DECODE_KV_SPLITS), take effect only in
+a fresh process, so these tests start one; CI's machine has no GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_interpreted(args: list[str], timeout: int, **env: str | None) -> subprocess.CompletedProcess:
+    """`python *args` in the repository root with TRITON_INTERPRET=1, the repository on the
+    path and `env` over the current environment (None: the variable unset)."""
+    full = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    for name, value in env.items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full, capture_output=True, text=True,
+                          timeout=timeout)
