@@ -85,20 +85,18 @@ def decode_metadata(runner, batch: int, ctx: int):
         host_ctx_len=np.full(batch, ctx, np.int32))
 
 
-# Of the GPU an engine takes (--gpu-memory-utilization): a quarter by default; the whole
-# model (gpu-moe at 48 layers: 61 GB of weights) needs most of the card, one engine at a time.
-UTILIZATION = 0.25
-
-
-def make_engine(path: str, batch: int, eager: bool) -> LLM:
-    """An engine on the workload's shape; each is shut down before the next is built."""
+def make_engine(path: str, args, eager: bool) -> LLM:
+    """An engine on the workload's shape, on args.gpu_memory_utilization of the GPU (a
+    quarter by default; the whole gpu-moe model, 61 GB of weights at 48 layers, needs most
+    of the card); each is shut down before the next is built."""
     return LLM(model=path, load_format="dummy", dtype=str(DTYPE).removeprefix("torch."),
-               skip_tokenizer_init=True, device=DEV, enforce_eager=eager, max_num_seqs=batch,
-               gpu_memory_utilization=UTILIZATION)
+               skip_tokenizer_init=True, device=DEV, enforce_eager=eager, max_num_seqs=args.batch,
+               gpu_memory_utilization=args.gpu_memory_utilization)
 
 
-def engine_ms_per_step(path: str, batch: int, out_len: int, eager: bool) -> float:
-    llm = make_engine(path, batch, eager)
+def engine_ms_per_step(path: str, args, eager: bool) -> float:
+    batch, out_len = args.batch, args.out_len
+    llm = make_engine(path, args, eager)
     vocab = llm.engine.executor.vocab_size
     data = random_dataset(batch, (128, 128), (out_len, out_len), vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in data.prompts]
@@ -117,7 +115,7 @@ def engine_ms_per_step(path: str, batch: int, out_len: int, eager: bool) -> floa
 def layer_pieces(path: str, args) -> dict[str, float]:
     """Host microseconds of the first decoder layer's pieces, one eager engine's model."""
     rows: dict[str, float] = {}
-    llm = make_engine(path, args.batch, eager=True)
+    llm = make_engine(path, args, eager=True)
     runner = llm.engine.executor.runner
     model = runner.model
     layer = model.model.layers[0]
@@ -156,7 +154,6 @@ def layer_pieces(path: str, args) -> dict[str, float]:
 
 
 def main() -> None:
-    global UTILIZATION
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="gpu-moe")
     ap.add_argument("--layers", type=int, default=8)
@@ -164,11 +161,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=384)
     ap.add_argument("--out-len", type=int, default=64)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=UTILIZATION,
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="of the GPU each engine takes (0.9 for the 48-layer gpu-moe model)")
     ap.add_argument("--tiny", action="store_true", help="a small config (CPU smoke run)")
     args = ap.parse_args()
-    UTILIZATION = args.gpu_memory_utilization
     w = WORKLOADS[args.workload]
     config = dict(w.arch_config, num_hidden_layers=args.layers)
     if args.tiny:  # the CPU smoke run
@@ -194,7 +190,7 @@ def main() -> None:
 
     steps = {}
     for eager in (True, False):
-        steps["eager" if eager else "graphs"] = engine_ms_per_step(path, args.batch, args.out_len, eager)
+        steps["eager" if eager else "graphs"] = engine_ms_per_step(path, args, eager)
 
     print(f"\n== host cost per call, {args.workload} shape, batch {args.batch} ({device_name()})")
     for name, us in rows.items():
