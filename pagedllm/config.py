@@ -62,6 +62,11 @@ def default_model_path() -> str:
     return path
 
 
+def env_flag(name: str) -> bool:
+    """Whether an on/off environment switch (PAGEDLLM_BATCH_INVARIANT, ...) is on."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def dtype_name(name: str) -> str:
     """torch's name for a dtype spelling users write ('half' -> 'float16')."""
     if name not in _DTYPE_NAMES:
@@ -420,8 +425,7 @@ class EngineConfig:
         # batch is too large for drafts (EngineCore.step): drafts need every sampled token.
         invariant = self.batch_invariant
         if invariant is None:
-            flag = os.environ.get("PAGEDLLM_BATCH_INVARIANT", "").strip().lower()
-            invariant = flag in ("1", "true", "yes", "on")
+            invariant = env_flag("PAGEDLLM_BATCH_INVARIANT")
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len,
                        max_num_batched_tokens=budget, async_scheduling=asyn,
                        max_prefill_tokens_with_decodes=prefill_cap,

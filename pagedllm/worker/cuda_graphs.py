@@ -18,13 +18,13 @@ carry decodes and a capped prompt chunk may have theirs too (MixedGraphs, opt-in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.config import env_flag
 
 
 def mixed_graph_chunks(prefill_cap: int | None) -> list[int]:
@@ -32,7 +32,7 @@ def mixed_graph_chunks(prefill_cap: int | None) -> list[int]:
     decodes (a quarter, a half and all of it), or none: they are opt-in
     (PAGEDLLM_MIXED_GRAPHS=1) until a GPU run has measured them, and not made for no cap or
     one over 2,048 (such chunks keep the device busy past the launches' host cost)."""
-    if os.environ.get("PAGEDLLM_MIXED_GRAPHS", "0").strip() not in ("1", "true", "on", "yes"):
+    if not env_flag("PAGEDLLM_MIXED_GRAPHS"):
         return []
     if not prefill_cap or prefill_cap > 2048:
         return []
