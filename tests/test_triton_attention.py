@@ -216,3 +216,106 @@ def test_split_decodes_match_torch(monkeypatch, feature):
     assert triton_backend.kv_splits(4, 2, torch.device(DEV)) == 1
     whole = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125, **kw)
     torch.testing.assert_close(out, whole, atol=2e-3, rtol=2e-3)
+
+
+class _CountLaunches:
+    """Stands in for a jitted kernel: counts its launches and passes them on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("feature", ["plain", "alibi", "softcap", "sinks", "fp8-pages", "bidirectional",
+                                     "gqa-1", "graph-layout"])
+def test_split_prefill_tiles_match_torch(monkeypatch, feature):
+    """Prompt chunks after long cached prefixes (the chunks a long prompt is read in beside
+    running streams): with few tiles the prefill launch splits each tile's keys over
+    programs and a combine adds them. Chunks of 1..70 rows at contexts from 40 to 2,568
+    keys, not aligned to pages or tiles; the outputs equal the torch reference with each
+    feature, the combine really ran, and the unsplit launch agrees."""
+    from pagedllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 8)
+    monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 64)
+    hq, hkv = (4, 4) if feature == "gqa-1" else (8, 2)
+    # (2,568 keys: the earlier tiles' splits are a key block shorter than the last tile's)
+    seqs = [(1, 600), (40, 40), (7, 500), (70, 1100), (70, 2568), (33, 289)]
+    if feature == "bidirectional":
+        seqs = [(300, 300), (9, 9)]
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, hq, hkv, 64, 16, torch.float32,
+                                                                       seed=5)
+    kw = {}
+    if feature == "alibi":
+        kw["alibi_slopes"] = torch.tensor([2 ** -(i + 1) for i in range(hq)], device=DEV)
+    elif feature == "softcap":
+        kw["logits_soft_cap"] = 5.0
+    elif feature == "sinks":
+        kw["sinks"] = (torch.randn(hq, generator=torch.Generator().manual_seed(1)) * 3).to(DEV)
+    elif feature == "bidirectional":
+        kw["causal"] = False
+    if feature == "fp8-pages":
+        fp8 = torch.float8_e4m3fn
+        k = k.float().to(fp8).float()
+        v = (v.float() / 2.0).to(fp8).float() * 2.0
+        kc, vc = (kc * 0.7).to(fp8), (vc * 0.7).to(fp8)
+        kw.update(k_scale=1.0, v_scale=2.0)
+    q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
+    tile_q = TritonPagedAttention.tile_q(hq // hkv)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, tile_q, DEV)
+    fp8_pages = feature == "fp8-pages"
+    ref = TorchPagedAttention.forward(q, k, v, kc.clone() if fp8_pages else kc.clone().float(),
+                                      vc.clone() if fp8_pages else vc.clone().float(), meta, 0.125, **kw)
+    if feature == "graph-layout":  # as a captured launch has it: no host lengths, a split
+        # count sized by the busy tiles, and spare tiles past the last query
+        meta.host_ctx_len = None
+        meta.prefill_busy_tiles = meta.num_prefill_tiles
+        spare = torch.tensor([[len(seqs) - 1] * 3, [int(ql[-1]) + tile_q] * 3], dtype=torch.int32, device=DEV)
+        meta.prefill_tiles = torch.cat([meta.prefill_tiles, spare], dim=1)
+        meta.num_prefill_tiles += 3
+    combine = _CountLaunches(triton_backend._combine_splits_kernel)
+    monkeypatch.setattr(triton_backend, "_combine_splits_kernel", combine)
+    out = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125, **kw)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    prefill_combines = [g for g in combine.grids if g[0] == meta.num_prefill_tiles]
+    assert prefill_combines, "the prefill launch did not split"
+    monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 0)
+    whole = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125, **kw)
+    torch.testing.assert_close(out, whole, atol=2e-3, rtol=2e-3)
+
+
+def test_prefill_splits_follow_the_keys(monkeypatch):
+    """An eager prefill launch splits no further than its longest context fills splits of
+    SPLIT_MIN_KEYS, and not at all where the launch has tiles enough; a sliding window
+    keeps one split."""
+    from pagedllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 8)
+    monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 64)
+    grids = []
+    real = triton_backend._paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_backend, "_paged_attention_kernel", Spy())
+
+    def prefill_splits(seqs, **kw):
+        q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, 8, 2, 64, 16, torch.float32)
+        q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
+        meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(4), DEV)
+        grids.clear()
+        TritonPagedAttention.forward(q, k, v, kc, vc, meta, 0.125, **kw)
+        return grids[-1][2]
+
+    assert prefill_splits([(20, 20)]) == 1  # 20 keys: one split holds them
+    assert prefill_splits([(20, 600)]) == 3  # 600 keys: three of 256
+    assert prefill_splits([(20, 5000)]) == 8  # capped by MAX_KV_SPLITS
+    assert prefill_splits([(20, 600)], sliding_window=64) == 1
+    monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 0)
+    assert prefill_splits([(20, 5000)]) == 1  # enough tiles for the device

@@ -27,6 +27,9 @@ class AttentionMetadata:
     prefill_tiles: torch.Tensor | None = None  # [2, >= num_prefill_tiles] int32
     num_prefill_tiles: int = 0
     prefill_tile_q: int = 0  # queries per tile the tiles were cut for
+    # Tiles that may hold queries where a captured launch carries spare ones (MixedGraphs):
+    # what a kernel sizes its key splits by; 0: num_prefill_tiles.
+    prefill_busy_tiles: int = 0
     # Host copies, for backends that loop over sequences in Python.
     host_q_start: np.ndarray | None = None
     host_q_len: np.ndarray | None = None

@@ -148,6 +148,7 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     if DIRECT:  # decode launch: tile i is sequence i, query 0
+        tile = pid
         seq = pid
         q0 = 0
     else:  # tiles in reverse: a prompt's last tiles see the most keys, so they start first
@@ -156,16 +157,22 @@ def _paged_attention_kernel(
         seq = tl.load(tile_seq + tile)
         q0 = tl.load(tile_q + tile)
     ctx = tl.load(ctx_lens + seq)
-    split = 0
-    chunk = ctx
-    if KV_SPLITS > 1:  # flash-decoding (DIRECT launches only): this program's key range is
-        # [split * chunk, (split + 1) * chunk), whole key blocks and at least SPLIT_MIN_KEYS
-        # each, so a short context leaves the later splits idle (they return at once)
-        split = tl.program_id(2)
-        chunk = _split_keys(ctx, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
-        if split * chunk >= tl.maximum(ctx, 1):
-            return
     qlen = tl.load(q_lens + seq)
+    if CAUSAL:
+        kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
+    else:  # bidirectional (a whole input in one step): every row sees every key
+        kv_end = ctx
+    keys = kv_end  # the tile's (kv_end is narrowed to a split's below)
+    split = 0
+    chunk = kv_end
+    if KV_SPLITS > 1:  # split keys (flash-decoding; for prefill tiles too): this program's
+        # key range is [split * chunk, (split + 1) * chunk) of the tile's keys, whole key
+        # blocks and at least SPLIT_MIN_KEYS each, so a short context leaves the later
+        # splits idle (they return at once)
+        split = tl.program_id(2)
+        chunk = _split_keys(kv_end, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
+        if split * chunk >= tl.maximum(kv_end, 1):
+            return
     qstart = tl.load(q_starts + seq)
 
     m = tl.arange(0, BLOCK_M)
@@ -194,10 +201,6 @@ def _paged_attention_kernel(
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL:
-        kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
-    else:  # bidirectional (a whole input in one step): every row sees every key
-        kv_end = ctx
     table = block_tables + seq.to(tl.int64) * stride_bt
     kv_start = 0
     if WINDOW:  # keys before the first one any row of the tile sees are skipped
@@ -211,7 +214,7 @@ def _paged_attention_kernel(
             full_end = tl.maximum((ctx - qlen + q0 + 1) // BLOCK_N * BLOCK_N, kv_start)
         else:
             full_end = kv_end // BLOCK_N * BLOCK_N
-    if KV_SPLITS > 1:  # keys [lo, hi) of the sequence's (a decode's kv_end is its ctx)
+    if KV_SPLITS > 1:  # keys [lo, hi) of the tile's (a decode's kv_end is its ctx)
         lo = split * chunk
         kv_end = tl.minimum(lo + chunk, kv_end)
         kv_start = tl.maximum(kv_start, lo)
@@ -227,13 +230,13 @@ def _paged_attention_kernel(
             scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
             PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, True)
     if KV_SPLITS > 1:
-        if chunk < ctx:  # the split's unnormalised sums, for _combine_splits_kernel
-            part = (seq * tl.num_programs(1) + kvh) * KV_SPLITS + split
+        if chunk < keys:  # the split's unnormalised sums, for _combine_splits_kernel
+            part = (tile * tl.num_programs(1) + kvh) * KV_SPLITS + split
             tl.store(Part + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], acc)
             tl.store(PartML + part * 2 * BLOCK_M + m, m_i)
             tl.store(PartML + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
             return
-        # else split 0 saw every key: its output is final (the combine skips this sequence)
+        # else split 0 saw every key: its output is final (the combine skips this tile)
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
     if FP8:  # the values were v / v_scale
@@ -243,30 +246,46 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_splits_kernel(Part, PartML, Out, q_starts, ctx_lens, v_scale, stride_ot, stride_oh,
-                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_D: tl.constexpr, KV_SPLITS: tl.constexpr, FP8: tl.constexpr,
-                           PDL: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
-    """A decode's output from the partial softmaxes of the splits that had keys
-    (flash-decoding): each split's sums rescaled to the largest running maximum, added,
-    normalised once. A sequence whose keys all fell in split 0 was written by it."""
+def _combine_splits_kernel(Part, PartML, Out, q_starts, q_lens, ctx_lens, tile_seq, tile_q, v_scale,
+                           stride_ot, stride_oh, GROUP: tl.constexpr, TILE_Q: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           KV_SPLITS: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+                           BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, DIRECT: tl.constexpr,
+                           CAUSAL: tl.constexpr = True):
+    """A tile's output (a decode's, or a prefill tile's) from the partial softmaxes of the
+    splits that had keys: each split's sums rescaled to the largest running maximum, added,
+    normalised once. A tile whose keys all fell in split 0 was written by it."""
     if PDL:
         tok = wait()
         Part += tok
         PartML += tok
         q_starts += tok
+        q_lens += tok
         ctx_lens += tok
+        tile_seq += tok
+        tile_q += tok
         launch_dependents()
-    seq = tl.program_id(0)
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    if DIRECT:
+        seq = tile
+        q0 = 0
+    else:
+        seq = tl.load(tile_seq + tile)
+        q0 = tl.load(tile_q + tile)
     ctx = tl.load(ctx_lens + seq)
-    chunk = _split_keys(ctx, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
-    if chunk >= ctx:
+    qlen = tl.load(q_lens + seq)
+    if CAUSAL:  # the tile's keys, as the attention kernel counted them
+        kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)
+    else:
+        kv_end = ctx
+    chunk = _split_keys(kv_end, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
+    if chunk >= kv_end:
         return
-    used = tl.cdiv(ctx, chunk)
+    used = tl.cdiv(kv_end, chunk)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    first = (seq * tl.num_programs(1) + kvh) * KV_SPLITS
+    first = (tile * tl.num_programs(1) + kvh) * KV_SPLITS
     m_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     for s in range(used):
         m_max = tl.maximum(m_max, tl.load(PartML + (first + s) * 2 * BLOCK_M + m))
@@ -279,11 +298,12 @@ def _combine_splits_kernel(Part, PartML, Out, q_starts, ctx_lens, v_scale, strid
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     if FP8:
         out = out * v_scale
-    row = tl.load(q_starts + seq).to(tl.int64)
+    qi = q0 + m // GROUP
+    rows = (tl.load(q_starts + seq) + qi).to(tl.int64)
     head = kvh * GROUP + m % GROUP
-    ok = (m < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    tl.store(Out + row * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=ok)
+    ok = ((m < TILE_Q * GROUP) & (qi < qlen))[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(Out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -507,21 +527,8 @@ class TritonPagedAttention:
             launch = cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH
             block_m = max(16, _pow2(group))
             splits = 1 if sliding_window is not None else kv_splits(meta.num_decode, hkv, q.device)
-            if splits > 1:
-                n = meta.num_decode * hkv * splits
-                common["Part"] = torch.empty(n * block_m * common["BLOCK_D"], dtype=torch.float32,
-                                             device=q.device)
-                common["PartML"] = torch.empty(n * 2 * block_m, dtype=torch.float32, device=q.device)
-            _paged_attention_kernel[(meta.num_decode, hkv, splits)](
-                *args, meta.q_start, meta.q_start, slopes, TILE_Q=1, BLOCK_M=block_m,
-                DIRECT=True, KV_SPLITS=splits, SPLIT_MIN_KEYS=SPLIT_MIN_KEYS, **common, **launch)
-            if splits > 1:
-                _combine_splits_kernel[(meta.num_decode, hkv)](
-                    common["Part"], common["PartML"], out, meta.q_start, meta.ctx_len, common["v_scale"],
-                    out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=q.shape[2], BLOCK_M=block_m,
-                    BLOCK_D=common["BLOCK_D"], KV_SPLITS=splits, FP8=common["FP8"], PDL=common["PDL"],
-                    BLOCK_N=launch["BLOCK_N"], SPLIT_MIN_KEYS=SPLIT_MIN_KEYS,
-                    **({"launch_pdl": True} if common["PDL"] else {}), num_warps=4)
+            cls._split_launch(args, (meta.q_start, meta.q_start), slopes, out, meta, common, launch,
+                              meta.num_decode, hkv, splits, 1, block_m, True)
         if meta.num_prefill_tiles:
             cls._prefill(q, k_cache, v_cache, out, meta, scale, args, common, slopes,
                          plain=(alibi_slopes is None and sliding_window is None and logits_soft_cap is None
@@ -533,10 +540,40 @@ class TritonPagedAttention:
                  common: dict, slopes, plain: bool) -> None:
         """The step's prefill rows (after its decodes) into `out`. `plain`: causal, with no
         ALiBi, window, soft-cap or sinks (what a subclass's other kernel may need)."""
-        tq, group = meta.prefill_tile_q, q.shape[1] // k_cache.shape[2]
-        _paged_attention_kernel[(meta.num_prefill_tiles, k_cache.shape[2])](
-            *args, meta.prefill_tiles[0], meta.prefill_tiles[1], slopes, TILE_Q=tq,
-            BLOCK_M=max(16, _pow2(tq * group)), DIRECT=False, **common, **cls.PREFILL_LAUNCH)
+        tq, hkv = meta.prefill_tile_q, k_cache.shape[2]
+        splits = 1
+        if not common["WINDOW"]:  # few tiles (a small chunk after a long prefix): split keys
+            splits = kv_splits(meta.prefill_busy_tiles or meta.num_prefill_tiles, hkv, q.device)
+            if splits > 1 and meta.host_ctx_len is not None:  # eager: no more than the keys fill
+                longest = int(meta.host_ctx_len[meta.num_decode :].max(initial=1))
+                splits = max(1, min(splits, triton.cdiv(longest, SPLIT_MIN_KEYS)))
+        cls._split_launch(args, (meta.prefill_tiles[0], meta.prefill_tiles[1]), slopes, out, meta, common,
+                          cls.PREFILL_LAUNCH, meta.num_prefill_tiles, hkv, splits, tq,
+                          max(16, _pow2(tq * (q.shape[1] // hkv))), False)
+
+    @staticmethod
+    def _split_launch(args: tuple, tiles: tuple, slopes, out, meta: AttentionMetadata, common: dict,
+                      launch: dict, units: int, hkv: int, splits: int, tile_q: int, block_m: int,
+                      direct: bool) -> None:
+        """The attention kernel over `units` tiles (decodes when `direct`) x KV heads, each
+        tile's keys split over `splits` programs; with more than one, the partial sums go to
+        scratch buffers and _combine_splits_kernel writes the tiles' outputs."""
+        if splits > 1:
+            n = units * hkv * splits
+            common = dict(common,
+                          Part=torch.empty(n * block_m * common["BLOCK_D"], dtype=torch.float32, device=out.device),
+                          PartML=torch.empty(n * 2 * block_m, dtype=torch.float32, device=out.device))
+        _paged_attention_kernel[(units, hkv, splits)](
+            *args, *tiles, slopes, TILE_Q=tile_q, BLOCK_M=block_m, DIRECT=direct, KV_SPLITS=splits,
+            SPLIT_MIN_KEYS=SPLIT_MIN_KEYS, **common, **launch)
+        if splits > 1:
+            _combine_splits_kernel[(units, hkv)](
+                common["Part"], common["PartML"], out, meta.q_start, meta.q_len, meta.ctx_len, *tiles,
+                common["v_scale"], out.stride(0), out.stride(1), GROUP=common["GROUP"], TILE_Q=tile_q,
+                HEAD_DIM=common["HEAD_DIM"], BLOCK_M=block_m, BLOCK_D=common["BLOCK_D"], KV_SPLITS=splits,
+                FP8=common["FP8"], PDL=common["PDL"], BLOCK_N=launch["BLOCK_N"], SPLIT_MIN_KEYS=SPLIT_MIN_KEYS,
+                DIRECT=direct, CAUSAL=common["CAUSAL"], **({"launch_pdl": True} if common["PDL"] else {}),
+                num_warps=4)
 
 
 class TritonInvariantAttention(TritonPagedAttention):

@@ -345,6 +345,7 @@ class MixedGraphs(_StepGraphs):
             slot_mapping=f("slots", size + rows), num_decode=size, block_tables=self._tables()[:seqs],
             q_start=f("q_start", seqs), q_len=f("q_len", seqs), ctx_len=f("ctx", seqs),
             prefill_tiles=tiles[:, :nt], num_prefill_tiles=nt, prefill_tile_q=self.tile_q,
+            prefill_busy_tiles=-(-rows // self.tile_q),  # the spare tiles return at once
         )
 
     def _layout_padding(self, h: np.ndarray, size: int, rows: int, real: int, prompt_lens: list[int]) -> None:
