@@ -376,6 +376,11 @@ def test_bench_serve_mixed_workload_times_a_long_prompt_beside_the_streams(fake_
     # The streams run ~0.9 s each: they were streaming through the whole window.
     assert lp["gaps_during_prefill"] >= 10
     assert 0 < lp["median_itl_during_prefill_ms"] <= lp["p99_itl_during_prefill_ms"] <= lp["max_itl_during_prefill_ms"]
+    # Every stream gap falls in one phase: before the long prompt, during its prefill, after.
+    before, after = lp["before_long_prompt"], lp["after_long_prompt"]
+    assert before["gaps"] > 0 and after["gaps"] > 0
+    assert before["gaps"] + lp["gaps_during_prefill"] + after["gaps"] == 4 * 159
+    assert before["median_itl_ms"] <= before["max_itl_ms"]
 
 
 def test_bench_serve_rejects_a_file_that_is_not_an_offline_result(tmp_path):

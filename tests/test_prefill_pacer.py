@@ -90,11 +90,44 @@ def test_a_fixed_cost_per_prompt_step_is_fitted_not_spread_over_tokens(fixed):
     assert min(n for n, _ in paced[:-1]) > 2 * pacer.min_chunk
 
 
+def test_a_burst_of_arrivals_beside_streams_waits_for_one_timed_decode_step(monkeypatch):
+    """A fresh pacer has no decode step to measure against. 8 streams decode when 56 more
+    arrive at once (256-token prompts): the first step with decodes carries no prompt (it
+    is the reference), and every later step stays near the ratio (1.5), where the fixed cap
+    of 512 runs every admission step at 2x a decode step. All 56 are admitted."""
+    def admit(pacer: PrefillPacer | None) -> list[tuple[int, float]]:
+        sched = make_scheduler(512)
+        running_decodes(sched, 8)
+        arrivals = [Request(f"a{i}", [i + 2] * 256, max_tokens=100_000) for i in range(56)]
+        for r in arrivals:
+            sched.add_request(r)
+        if pacer is not None:
+            sched.prefill_chunk_hint = pacer.chunk()  # as the engine core sets it
+        steps = []
+        while any(r.num_output_tokens == 0 for r in arrivals):
+            out = sched.schedule()
+            seconds = device_seconds(out.chunks)
+            if pacer is not None:
+                pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
+                sched.prefill_chunk_hint = pacer.chunk()
+            sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
+            steps.append((sum(c.num_tokens for c in out.chunks if c.num_tokens > 1), seconds))
+        return steps
+
+    capped = admit(None)
+    assert min(t for _, t in capped) > 2.0 * DECODE_S
+    paced = admit(PrefillPacer(1.5, max_chunk=512))
+    assert paced[0] == (0, DECODE_S)  # decodes alone: timed
+    assert paced[1][0] == 512  # then the cap once, to measure a prompt token
+    assert max(t for _, t in paced[2:]) <= 1.55 * DECODE_S
+    assert sum(n for n, _ in paced) == 56 * 256
+
+
 def test_pacer_figures():
     p = PrefillPacer(2.0, max_chunk=256, min_chunk=16)
-    assert p.chunk() is None  # nothing timed: the fixed cap
+    assert p.chunk() == 0  # nothing timed: a step of decodes alone first, to time it
     p.observe(0.5, [(100, True)])  # no decode in the step: says nothing about the streams
-    assert p.chunk() is None
+    assert p.chunk() == 0
     p.observe(0.010, [(1, False)] * 8)
     assert p.chunk() == 256  # no prompt step timed yet: the cap, then measure
     p.observe(0.030, [(1, False)] * 8 + [(100, True)])  # 20 ms for 100 tokens: 0.2 ms each

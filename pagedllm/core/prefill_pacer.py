@@ -20,6 +20,13 @@ and when it leaves less than half of it, bounds the per-token part by half the b
 such steps exceed the ratio by their fixed cost, and tiny chunks would only starve the
 prompt without making them shorter.
 
+Until a step of decodes alone has been timed there is no reference: the pacer then asks
+for a step without prompt tokens beside the decodes (chunk 0), and times it. Otherwise a
+burst of arrivals, each admitted beside the streams already decoding, would never leave a
+decode-only step to time, and every admission step would run at the fixed cap (on an H100,
+7B shape: 64 streams' own 256-token prompts put 40 ms gaps into the earliest streams, the
+p99 of the whole run once the long prompt itself was paced).
+
 Pure Python and no clock of its own: the engine core times its steps and reports them
 (observe), the scheduler asks for the chunk (chunk).
 """
@@ -82,11 +89,11 @@ class PrefillPacer:
             return None
         return max(mean_t - slope * mean_n, 0.0), slope
 
-    def chunk(self) -> int | None:
-        """Prompt tokens for the next step beside decodes; None before a decode step has
-        been timed (the fixed cap applies meanwhile)."""
+    def chunk(self) -> int:
+        """Prompt tokens for the next step beside decodes; 0 before a step of decodes alone
+        has been timed (so that the next one is such a step)."""
         if self.decode_s is None:
-            return None
+            return 0
         if not self.per_token_s:
             return self.max_chunk  # no prompt step timed yet: the cap, then measure
         budget = (self.ratio - 1.0) * self.decode_s

@@ -111,7 +111,8 @@ class Scheduler:
                              f"{max_prefill_tokens_with_decodes}")
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         # Set by the engine core from its step times (core/prefill_pacer.py): a tighter cap
-        # on the prompt tokens of a step beside decodes. None: the fixed cap alone.
+        # on the prompt tokens of a step beside decodes (0: none this step). None: the
+        # fixed cap alone.
         self.prefill_chunk_hint: int | None = None
         # Multi-LoRA: the running requests use at most this many adapters together, the
         # workers' slots (0: LoRA off). A waiting request of another adapter waits, and
@@ -219,11 +220,11 @@ class Scheduler:
         scheduled: list[tuple[Request, int]] = []
 
         # Prompt tokens this step may still take: the cap if any sequence decodes in it.
-        cap = self.max_prefill_tokens_with_decodes
-        if self.prefill_chunk_hint:
-            cap = min(cap, self.prefill_chunk_hint) if cap else self.prefill_chunk_hint
+        cap = self.max_prefill_tokens_with_decodes or None
+        if self.prefill_chunk_hint is not None:
+            cap = self.prefill_chunk_hint if cap is None else min(cap, self.prefill_chunk_hint)
         decoding = any(not self._prefilling(r) and self._to_compute(r) for r in self.running)
-        prefill_left = cap if cap and decoding else budget
+        prefill_left = cap if cap is not None and decoding else budget
 
         speculate = self.may_speculate()
         drafts: dict[str, list[int]] = {}
@@ -246,6 +247,9 @@ class Scheduler:
                     drafts[req.request_id] = draft
                     want += len(draft)
             n = min(want, budget, prefill_left if prefill else budget)
+            if n == 0:  # a prompt the step has no room left for: its next chunk waits
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)

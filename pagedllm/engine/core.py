@@ -112,6 +112,7 @@ class EngineCore:
         if config.prefill_step_ratio is not None:
             self._pacer = PrefillPacer(config.prefill_step_ratio,
                                        config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens)
+            self.scheduler.prefill_chunk_hint = self._pacer.chunk()
         self._launched: dict[int, float] = {}  # id(SchedulerOutput) -> when it was launched
         self._last_done: float | None = None  # when the last step's results were read
         self._inflight: tuple | None = None  # (SchedulerOutput, step handle) launched, not read

@@ -130,7 +130,7 @@ def long_prompt_figures(long: RequestResult, streams: list[RequestResult], start
     if not long.ok:
         return out
     lo, hi = long.sent, long.sent + long.ttft
-    during = []
+    before, during, after = [], [], []
     for r in streams:
         if not r.ok:
             continue
@@ -138,10 +138,17 @@ def long_prompt_figures(long: RequestResult, streams: list[RequestResult], start
         for gap in r.itl:
             if t < hi and t + gap > lo:
                 during.append(gap)
+            else:
+                (before if t + gap <= lo else after).append(gap)
             t += gap
+    # The gaps outside the prefill too, by phase: where a run's p99 falls when the prefill
+    # is short (before it: the streams' own prompts being admitted beside earlier streams).
+    phases = {f"{name}_long_prompt": {"gaps": len(g), **_stats_ms("itl", g),
+                                      "max_itl_ms": round(max(g) * 1000.0, 3)}
+              for name, g in (("before", before), ("after", after)) if g}
     return {**out, "ttft_ms": round(long.ttft * 1000.0, 3), "gaps_during_prefill": len(during),
             **{k.replace("itl", "itl_during_prefill"): v for k, v in _stats_ms("itl", during).items()},
-            "max_itl_during_prefill_ms": round(max(during) * 1000.0, 3) if during else None}
+            "max_itl_during_prefill_ms": round(max(during) * 1000.0, 3) if during else None, **phases}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -334,6 +341,11 @@ def _print(result: dict) -> None:
                   f"{lp['ttft_ms']} ms; the streams' gaps meanwhile: {lp['gaps_during_prefill']}, "
                   f"median {lp['median_itl_during_prefill_ms']} ms, p99 "
                   f"{lp['p99_itl_during_prefill_ms']} ms, max {lp['max_itl_during_prefill_ms']} ms")
+            for phase in ("before", "after"):
+                ph = lp.get(f"{phase}_long_prompt")
+                if ph:
+                    print(f"  gaps {phase} it: {ph['gaps']}, median {ph['median_itl_ms']} ms, "
+                          f"p99 {ph['p99_itl_ms']} ms, max {ph['max_itl_ms']} ms")
         else:
             print(f"  long prompt failed: {lp['error']}")
     if "offline" in result:
