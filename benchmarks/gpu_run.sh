@@ -18,8 +18,8 @@
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
 # mixed: 64 streams on gpu-7b's shape with one 32k prompt sent among them (bench serve
 #   --long-prompt-len), per cap on a step's prompt tokens (CAPS, default "512 256") and
-#   with paced chunks (RATIOS, --prefill-step-ratio, default "2"); MIXED_GRAPHS=1 replays
-#   the steps with decodes and a prompt chunk from CUDA graphs (PAGEDLLM_MIXED_GRAPHS=1);
+#   with paced chunks (RATIOS, --prefill-step-ratio, default "2"); MIXED_GRAPHS=0 runs the
+#   steps with decodes and a prompt chunk eagerly instead of from CUDA graphs;
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
 # lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
 #   gpu-7b's kernels without and with one adapter on every prompt.
@@ -432,15 +432,16 @@ mixed)
     # Issue 34's mixed workload: 64 streams on gpu-7b's shape (256 in, 512 out) and, 3 s in,
     # one 32,000-token prompt beside them; the streams' ITL p99 / median (target <= 2) and
     # their gaps while the prompt prefills, per cap on a step's prompt tokens (CAPS).
-    # MIXED_GRAPHS=1: steps with decodes and a prompt chunk replayed from CUDA graphs
-    # (PAGEDLLM_MIXED_GRAPHS=1; their GPU test first), results named mixedg-*.
+    # Steps with decodes and a prompt chunk replay CUDA graphs (their GPU test first);
+    # MIXED_GRAPHS=0 runs them eagerly (PAGEDLLM_MIXED_GRAPHS=0), results named mixed-eager-*.
     tag=mixed
-    if [[ ${MIXED_GRAPHS:-0} == 1 ]]; then
+    if [[ ${MIXED_GRAPHS:-1} == 0 ]]; then
+        export PAGEDLLM_MIXED_GRAPHS=0
+        tag=mixed-eager
+    else
         timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py 2>&1 | tail -3
-        export PAGEDLLM_MIXED_GRAPHS=1
-        tag=mixedg
     fi
-    for c in ${CAPS:-512 256}; do
+    for c in ${CAPS-512 256}; do  # CAPS="" runs none
         if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "$tag-cap$c" --max-model-len 40960 \
                 --max-prefill-tokens-with-decodes "$c"; then
             BENCH_S=$(cap 150) bench_7b "$tag-cap$c" 64 64 --output-len 512 --warmup 1 \
@@ -448,7 +449,7 @@ mixed)
             stop_7b
         fi
     done
-    for r in ${RATIOS:-2}; do  # paced chunks (--prefill-step-ratio), within the 512 cap
+    for r in ${RATIOS-2}; do  # paced chunks (--prefill-step-ratio), within the 512 cap
         if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "$tag-ratio$r" --max-model-len 40960 \
                 --prefill-step-ratio "$r"; then
             BENCH_S=$(cap 150) bench_7b "$tag-ratio$r" 64 64 --output-len 512 --warmup 1 \

@@ -62,9 +62,13 @@ def default_model_path() -> str:
     return path
 
 
-def env_flag(name: str) -> bool:
-    """Whether an on/off environment switch (PAGEDLLM_BATCH_INVARIANT, ...) is on."""
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def env_flag(name: str, default: bool = False) -> bool:
+    """Whether an on/off environment switch (PAGEDLLM_BATCH_INVARIANT, ...) is on; unset or
+    empty: `default`."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    return raw in ("1", "true", "yes", "on")
 
 
 def dtype_name(name: str) -> str:

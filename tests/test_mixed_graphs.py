@@ -63,7 +63,7 @@ def test_mixed_graphs_on_cuda_give_the_eager_tokens(tiny_models, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     want = _engine(path, "cuda", enforce_eager=True).generate(_prompts(), params)
-    monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", "1")
+    monkeypatch.delenv("PAGEDLLM_MIXED_GRAPHS", raising=False)  # on by default
     llm = _engine(path, "cuda")
     graphs = llm.engine.executor.runner.mixed_graphs
     assert graphs is not None and graphs.chunks == [16, 32]

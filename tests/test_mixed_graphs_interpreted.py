@@ -20,7 +20,9 @@ def test_mixed_layout_interpreted():
 
 def test_chunk_sizes_follow_the_cap_and_the_switch(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_MIXED_GRAPHS", raising=False)
-    assert cuda_graphs.mixed_graph_chunks(512) == []  # opt-in
+    assert cuda_graphs.mixed_graph_chunks(512) == [128, 256, 512]  # on by default
+    monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", "0")
+    assert cuda_graphs.mixed_graph_chunks(512) == []
     monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", "1")
     assert cuda_graphs.mixed_graph_chunks(512) == [128, 256, 512]
     assert cuda_graphs.mixed_graph_chunks(32) == [16, 32]
