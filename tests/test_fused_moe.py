@@ -1,6 +1,8 @@
 """The fused MoE kernels (model_executor/layers/fused_moe.py) against a per-token loop
 over the chosen experts: empty experts, one token, every token on one expert, k = 1, 2,
-8, 128 experts, float32 and bfloat16, and the block layout `align_pairs` builds.
+8, 128 experts, float32 and bfloat16, steps small enough for the one-kernel down
+projection and sum (up to DOWN_SUM_TOKENS) and larger, and the block layout `align_pairs`
+builds.
 
 Runs on CUDA; with TRITON_INTERPRET=1 and Triton installed it also runs on the CPU."""
 
@@ -29,6 +31,8 @@ def _reference(x, w13, w2, weights, ids):
 CASES = [  # tokens, experts, k, hidden, inter, how tokens route
     (1, 8, 2, 64, 32, "random"),
     (1, 128, 8, 64, 32, "random"),
+    (3, 128, 8, 80, 300, "random"),  # the small-step down kernel: columns and K masked
+    (4, 16, 2, 64, 32, "one_expert"),
     (7, 4, 1, 48, 40, "random"),
     (33, 16, 2, 64, 32, "one_expert"),
     (20, 8, 8, 32, 16, "random"),

@@ -22,6 +22,12 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    is read as bytes and exponents and dequantized in registers before its dot product.
 4. The k rows of a token are summed (a [T, k, H] reduction).
 
+Steps of at most DOWN_SUM_TOKENS tokens (decodes at small batch) replace 3 and 4 with one
+kernel, `_down_sum_kernel`: a program owns one token and BLOCK_N output columns, walks the
+token's k experts in order and adds each weighted down projection in float32, so the
+[T*k, H] rows never reach memory and the layer has one launch fewer (at batch 1 a step is
+some 600 launches, and each costs the GPU microseconds of ramp and tail).
+
 Programs whose block lies past the used length return at once, so a decode step with 8
 pairs over 128 experts reads 8 experts' weights, not 128.
 
@@ -246,6 +252,32 @@ if triton is not None:
         tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit
+    def _down_sum_kernel(A, W, B, Out, Ids, Weights, K, N, sam, sak, swe, swn, swk, sbe, som, son,
+                         TOP_K: tl.constexpr, BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Out[t, n-tile] = sum_j weights[t, j] * (A[t*k + j] @ W[e_j]^T (+ B[e_j])), the k
+        experts in order, in float32 on the CUDA cores (one row: a tensor-core tile would
+        be all padding)."""
+        t = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        rk = tl.arange(0, BK)
+        total = tl.zeros((BN,), dtype=tl.float32)
+        for j in range(TOP_K):
+            p = t * TOP_K + j
+            e = tl.load(Ids + p).to(tl.int64)
+            acc = tl.zeros((BN,), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kin = rk + k0 < K
+                a = tl.load(A + p * sam + (rk + k0) * sak, mask=kin, other=0.0).to(tl.float32)
+                w = tl.load(W + e * swe + rn[:, None].to(tl.int64) * swn + (rk + k0)[None, :] * swk,
+                            mask=n_ok[:, None] & kin[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * a[None, :], 1)
+            if BIAS:
+                acc += tl.load(B + e * sbe + rn, mask=n_ok, other=0.0).to(tl.float32)
+            total += tl.load(Weights + p).to(tl.float32) * acc
+        tl.store(Out + t * som + rn * son, total.to(Out.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
     def _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP,
                     BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr):
         """align_pairs in one program, for up to PB pairs: a histogram of the experts, the
@@ -400,6 +432,12 @@ def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: in
     return weights, ids, (sorted_ids, block_expert, used)
 
 
+# Up to this many tokens the down projection and the sum over k are one kernel
+# (_down_sum_kernel): its programs re-read an expert each of its tokens routes to, which a
+# few tokens rarely share, and save the [T*k, H] rows and the reduction's launch.
+DOWN_SUM_TOKENS = 4
+DOWN_SUM_LAUNCH = {"BN": 16, "BK": 256, "num_warps": 4}
+
 # The batch-invariant mode's one configuration: a pair's row is then the same K-ordered
 # sum in any batch (the tuned tiles change with the token count).
 INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
@@ -446,8 +484,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         inter, top_k, *x.stride(), *w13.stride(), *s13.stride()[:2], 0 if b13 is None else b13.stride(0),
         *h.stride(), float(alpha), float(limit), IEEE=ieee, BIAS=b13 is not None,
         SWIGLU=swiglu is not None, MXFP4=mxfp4, BM=bm, BN=bn, BK=bk, **launch)
-    out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1)
+    if tokens <= DOWN_SUM_TOKENS and not invariant and not mxfp4:
+        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+        bn_s = DOWN_SUM_LAUNCH["BN"]
+        _down_sum_kernel[(tokens, triton.cdiv(hidden, bn_s))](
+            h, w2, w2 if b2 is None else b2, out, ids.reshape(-1), flat_w, inter, hidden, *h.stride(), *w2.stride(),
+            0 if b2 is None else b2.stride(0), *out.stride(), TOP_K=top_k, BIAS=b2 is not None,
+            BN=bn_s, BK=DOWN_SUM_LAUNCH["BK"], num_warps=DOWN_SUM_LAUNCH["num_warps"])
+        return out
+    out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     s2 = w2 if w2_scale is None else w2_scale
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](
         h, w2, s2, w2 if b2 is None else b2, out, sorted_ids, block_expert, used, flat_w, pairs, inter,
