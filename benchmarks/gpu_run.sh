@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -354,6 +354,21 @@ followup)
             --output-json "$OUT/gpu-moe-b1-split$s.json" 2>&1 | tail -2
     done
     summary "$OUT"/gpu-moe-b1-split*.json
+    ;;
+moe-b1)
+    # Issue 33's batch-1 target: the fused MoE kernels' GPU tests, then gpu-moe at batch 1
+    # (128 in / 256 out, median of 3) with the one-kernel down projection and sum (the
+    # default) and without it (PAGEDLLM_MOE_DOWN_SUM_TOKENS=0), then one profiled run.
+    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -m "gpu or not gpu" \
+        -k "per_token_loop or biases" 2>&1 | tail -2
+    for d in 4 0; do
+        PAGEDLLM_MOE_DOWN_SUM_TOKENS=$d timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload gpu-moe --num-prompts 1 --input-len 128 --output-len 256 --repeats 3 \
+            --output-json "$OUT/gpu-moe-b1-downsum$d.json" 2>&1 | tail -2
+    done
+    summary "$OUT"/gpu-moe-b1-downsum*.json
+    timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 --input-len 128 \
+        --json "$OUT/profile-moe-b1.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
     ;;
 caps)
     # What the cap on a step's prompt tokens beside decodes (512 by default on GPU) costs

@@ -435,7 +435,8 @@ def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: in
 # Up to this many tokens the down projection and the sum over k are one kernel
 # (_down_sum_kernel): its programs re-read an expert each of its tokens routes to, which a
 # few tokens rarely share, and save the [T*k, H] rows and the reduction's launch.
-DOWN_SUM_TOKENS = 4
+# PAGEDLLM_MOE_DOWN_SUM_TOKENS=0 turns it off (how benchmarks compare the two).
+DOWN_SUM_TOKENS = int(os.environ.get("PAGEDLLM_MOE_DOWN_SUM_TOKENS", "4"))
 DOWN_SUM_LAUNCH = {"BN": 16, "BK": 256, "num_warps": 4}
 
 # The batch-invariant mode's one configuration: a pair's row is then the same K-ordered
