@@ -39,8 +39,13 @@ def _engine(path: str, device: str, **kw) -> LLM:
 @pytest.mark.parametrize("asyn", [False, True])
 def test_mixed_layout_gives_the_eager_tokens(tiny_models, monkeypatch, asyn):
     """With async scheduling the decodes' input tokens are still on the device when the
-    step is laid out (filled in before the replay)."""
+    step is laid out (filled in before the replay). The replayed steps split their keys
+    (splits of 16 keys here, so the short contexts split; up to 4 splits a tile) where the
+    eager reference does not split at all."""
+    from pagedllm.attention import triton_backend
+
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(triton_backend, "SPLIT_MIN_KEYS", 16)
     monkeypatch.setattr(cuda_graphs, "_capture", _replayed_capture)
     path, _ = tiny_models("llama")
     base = _engine(path, "cpu")
@@ -51,7 +56,10 @@ def test_mixed_layout_gives_the_eager_tokens(tiny_models, monkeypatch, asyn):
         runner.model, runner.kv_caches, runner.device, 8, -(-runner.max_model_len // runner.block_size),
         [16, 32], runner.backend.tile_q(s.num_heads // s.num_kv_heads))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    want, got = base.generate(_prompts(), params), mixed.generate(_prompts(), params)
+    monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 1)
+    want = base.generate(_prompts(), params)
+    monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 4)
+    got = mixed.generate(_prompts(), params)
     assert_same_greedy(want, got)
     assert graphs.replays > 0
 
