@@ -357,8 +357,8 @@ followup)
     ;;
 moe-b1)
     # Issue 33's batch-1 target: the fused MoE kernels' GPU tests, then gpu-moe at batch 1
-    # (128 in / 256 out, median of 3) with the one-kernel down projection and sum (the
-    # default) and without it (PAGEDLLM_MOE_DOWN_SUM_TOKENS=0), then one profiled run.
+    # (128 in / 256 out, median of 3) with the one-kernel down projection and sum
+    # (PAGEDLLM_MOE_DOWN_SUM_TOKENS=4) and without it (0, the default), then one profiled run.
     timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -m "gpu or not gpu" \
         -k "per_token_loop or biases" 2>&1 | tail -2
     for d in 4 0; do

@@ -15,12 +15,16 @@ import random, sys
 sys.path.insert(0, "tests")
 from hf_models import hf_greedy, save_tiny_model
 from pagedllm import LLM, SamplingParams
-from pagedllm.attention import triton_backend
+from pagedllm.attention.triton_backend import TritonPagedAttention
 
 hf = save_tiny_model(sys.argv[1], "llama")
-splits = []
-count = triton_backend.kv_splits
-triton_backend.kv_splits = lambda *a: splits.append(count(*a)) or splits[-1]
+splits = []  # each decode launch's split count
+launch = TritonPagedAttention._split_launch
+def spy(*a):
+    if a[12]:  # direct: a decode launch
+        splits.append(a[9])
+    return launch(*a)
+TritonPagedAttention._split_launch = staticmethod(spy)
 llm = LLM(model=sys.argv[1], device="cpu", skip_tokenizer_init=True, block_size=4, num_kv_blocks=256)
 random.seed(0)
 prompts = [[random.randrange(5, 100) for _ in range(n)] for n in (150, 90)]

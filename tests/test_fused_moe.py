@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from triton_device import DEV, INTERPRET  # first: skips this module without CUDA or the interpreter
 
+from pagedllm.model_executor.layers import fused_moe
 from pagedllm.model_executor.layers.fused_moe import align_pairs, fused_experts, route, route_align
 
 
@@ -40,11 +41,16 @@ CASES = [  # tokens, experts, k, hidden, inter, how tokens route
 ]
 
 
+@pytest.mark.parametrize("down_sum", [0, 4], ids=["two-launches", "down-sum"])
 @pytest.mark.parametrize("tokens,experts,k,hidden,inter,routing", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_experts_equal_the_per_token_loop(tokens, experts, k, hidden, inter, routing, dtype):
+def test_fused_experts_equal_the_per_token_loop(tokens, experts, k, hidden, inter, routing, dtype, down_sum,
+                                                monkeypatch):
     if INTERPRET and dtype == torch.bfloat16:
         pytest.skip("the interpreter computes bfloat16 dots wrongly")
+    if down_sum and tokens > down_sum:
+        pytest.skip("the one-kernel down and sum takes steps of up to DOWN_SUM_TOKENS tokens")
+    monkeypatch.setattr(fused_moe, "DOWN_SUM_TOKENS", down_sum)
     g = torch.Generator().manual_seed(tokens * 131 + experts)
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2
@@ -61,11 +67,15 @@ def test_fused_experts_equal_the_per_token_loop(tokens, experts, k, hidden, inte
         torch.testing.assert_close(got, want, rtol=tol, atol=tol * max(1.0, want.abs().max().item()))
 
 
-@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (33, 4, 2), (20, 32, 4)])
-def test_fused_experts_with_biases_and_clamped_swiglu(tokens, experts, k):
+@pytest.mark.parametrize("tokens,experts,k,down_sum", [(1, 8, 2, 0), (1, 8, 2, 4), (3, 8, 4, 4), (33, 4, 2, 0),
+                                                        (20, 32, 4, 0)])
+def test_fused_experts_with_biases_and_clamped_swiglu(tokens, experts, k, down_sum, monkeypatch):
     """gpt-oss's experts: gate/up and down biases and the clamped SwiGLU, against
-    SparseMoeBlock's per-expert torch path (models/moe.py, checked against transformers)."""
+    SparseMoeBlock's per-expert torch path (models/moe.py, checked against transformers);
+    small steps also through the one-kernel down and sum (down_sum)."""
     from pagedllm.model_executor.models.moe import Activation
+
+    monkeypatch.setattr(fused_moe, "DOWN_SUM_TOKENS", down_sum)
 
     g = torch.Generator().manual_seed(tokens + experts)
     hidden, inter = 64, 32

@@ -22,8 +22,8 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    is read as bytes and exponents and dequantized in registers before its dot product.
 4. The k rows of a token are summed (a [T, k, H] reduction).
 
-Steps of at most DOWN_SUM_TOKENS tokens (decodes at small batch) replace 3 and 4 with one
-kernel, `_down_sum_kernel`: a program owns one token and BLOCK_N output columns, walks the
+Steps of at most DOWN_SUM_TOKENS tokens (decodes at small batch; opt-in until measured)
+may replace 3 and 4 with one kernel, `_down_sum_kernel`: a program owns one token and BLOCK_N output columns, walks the
 token's k experts in order and adds each weighted down projection in float32, so the
 [T*k, H] rows never reach memory and the layer has one launch fewer (at batch 1 a step is
 some 600 launches, and each costs the GPU microseconds of ramp and tail).
@@ -434,9 +434,10 @@ def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: in
 
 # Up to this many tokens the down projection and the sum over k are one kernel
 # (_down_sum_kernel): its programs re-read an expert each of its tokens routes to, which a
-# few tokens rarely share, and save the [T*k, H] rows and the reduction's launch.
-# PAGEDLLM_MOE_DOWN_SUM_TOKENS=0 turns it off (how benchmarks compare the two).
-DOWN_SUM_TOKENS = int(os.environ.get("PAGEDLLM_MOE_DOWN_SUM_TOKENS", "4"))
+# few tokens rarely share, and save the [T*k, H] rows and the reduction's launch. Off (0)
+# until a GPU run has measured it against the two launches: PAGEDLLM_MOE_DOWN_SUM_TOKENS=4
+# turns it on (benchmarks/gpu_run.sh moe-b1 compares the two).
+DOWN_SUM_TOKENS = int(os.environ.get("PAGEDLLM_MOE_DOWN_SUM_TOKENS", "0"))
 DOWN_SUM_LAUNCH = {"BN": 16, "BK": 256, "num_warps": 4}
 
 # The batch-invariant mode's one configuration: a pair's row is then the same K-ordered
