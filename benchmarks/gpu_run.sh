@@ -31,6 +31,8 @@
 # pending: the split-decode tests, gpu-long (FlashInfer prefills; carry .whl-fi) with and
 #   without flash-decoding, without and with the cap of 512 prompt tokens beside decodes;
 # followup: the split-decode and mixed-graph GPU tests, gpu-moe batch 1 with / without splits;
+# moe-b1: the fused MoE GPU tests, gpu-moe batch 1 with / without the one-kernel down and sum,
+#   a profiled batch-1 run;
 # caps: gpu-7b and gpu-moe offline at no cap and at the default 512 (WORKLOADS);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
@@ -44,6 +46,17 @@ bench() { python3 -m pagedllm.entrypoints.bench "$@"; }
 install_flashinfer() {
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-fi .whl-fi/*.whl \
         >/dev/null 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site-fi MAX_JOBS=${MAX_JOBS:-16}
+}
+moe_b1() {  # gpu-moe at batch 1 (128 in / 256 out, median of 3) per value of a switch:
+    # moe_b1 VARIABLE TAG VALUE...; results gpu-moe-b1-TAGVALUE.json
+    local var=$1 tag=$2 v
+    shift 2
+    for v in "$@"; do
+        env "$var=$v" timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload gpu-moe --num-prompts 1 --input-len 128 --output-len 256 --repeats 3 \
+            --output-json "$OUT/gpu-moe-b1-$tag$v.json" 2>&1 | tail -2
+    done
+    summary "$OUT"/gpu-moe-b1-"$tag"*.json
 }
 summary() {  # one line per result file
     python3 - "$@" <<'EOF'
@@ -348,12 +361,7 @@ followup)
     timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
         -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -3
     timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py 2>&1 | tail -3
-    for s in 16 1; do
-        PAGEDLLM_DECODE_KV_SPLITS=$s timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput \
-            --workload gpu-moe --num-prompts 1 --input-len 128 --output-len 256 --repeats 3 \
-            --output-json "$OUT/gpu-moe-b1-split$s.json" 2>&1 | tail -2
-    done
-    summary "$OUT"/gpu-moe-b1-split*.json
+    moe_b1 PAGEDLLM_DECODE_KV_SPLITS split 16 1
     ;;
 moe-b1)
     # Issue 33's batch-1 target: the fused MoE kernels' GPU tests, then gpu-moe at batch 1
@@ -361,12 +369,7 @@ moe-b1)
     # (PAGEDLLM_MOE_DOWN_SUM_TOKENS=4) and without it (0, the default), then one profiled run.
     timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -m "gpu or not gpu" \
         -k "per_token_loop or biases" 2>&1 | tail -2
-    for d in 4 0; do
-        PAGEDLLM_MOE_DOWN_SUM_TOKENS=$d timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput \
-            --workload gpu-moe --num-prompts 1 --input-len 128 --output-len 256 --repeats 3 \
-            --output-json "$OUT/gpu-moe-b1-downsum$d.json" 2>&1 | tail -2
-    done
-    summary "$OUT"/gpu-moe-b1-downsum*.json
+    moe_b1 PAGEDLLM_MOE_DOWN_SUM_TOKENS downsum 4 0
     timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 --input-len 128 \
         --json "$OUT/profile-moe-b1.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
     ;;
