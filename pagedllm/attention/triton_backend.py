@@ -112,6 +112,17 @@ def _attend_block(q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, 
 
 
 @triton.jit
+def _tile_keys(ctx, qlen, q0, TILE_Q: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys a tile of queries [q0, q0 + TILE_Q) of a sequence attends to: up to the last one
+    any of its rows sees (causal), or all `ctx` (bidirectional: a whole input in one step).
+    What the attention kernel splits and the combine counts; they must agree."""
+    keys = ctx
+    if CAUSAL:
+        keys = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)
+    return keys
+
+
+@triton.jit
 def _split_keys(ctx, KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
     """Keys each split of a decode's `ctx` reads (flash-decoding): whole key blocks, at least
     SPLIT_MIN_KEYS. The attention kernel and the combine must agree on it."""
@@ -158,10 +169,7 @@ def _paged_attention_kernel(
         q0 = tl.load(tile_q + tile)
     ctx = tl.load(ctx_lens + seq)
     qlen = tl.load(q_lens + seq)
-    if CAUSAL:
-        kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)  # last key any row of the tile sees
-    else:  # bidirectional (a whole input in one step): every row sees every key
-        kv_end = ctx
+    kv_end = _tile_keys(ctx, qlen, q0, TILE_Q, CAUSAL)
     keys = kv_end  # the tile's (kv_end is narrowed to a split's below)
     split = 0
     chunk = kv_end
@@ -275,10 +283,7 @@ def _combine_splits_kernel(Part, PartML, Out, q_starts, q_lens, ctx_lens, tile_s
         q0 = tl.load(tile_q + tile)
     ctx = tl.load(ctx_lens + seq)
     qlen = tl.load(q_lens + seq)
-    if CAUSAL:  # the tile's keys, as the attention kernel counted them
-        kv_end = ctx - qlen + tl.minimum(q0 + TILE_Q, qlen)
-    else:
-        kv_end = ctx
+    kv_end = _tile_keys(ctx, qlen, q0, TILE_Q, CAUSAL)
     chunk = _split_keys(kv_end, KV_SPLITS, BLOCK_N, SPLIT_MIN_KEYS)
     if chunk >= kv_end:
         return
