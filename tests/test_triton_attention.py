@@ -236,7 +236,7 @@ def test_split_prefill_tiles_match_torch(monkeypatch, feature):
     running streams): with few tiles the prefill launch splits each tile's keys over
     programs and a combine adds them. Chunks of 1..70 rows at contexts from 40 to 2,568
     keys, not aligned to pages or tiles; the outputs equal the torch reference with each
-    feature, the combine really ran, and the unsplit launch agrees."""
+    feature, the combine really ran, and (plain) the unsplit launch agrees."""
     from pagedllm.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 8)
@@ -282,9 +282,10 @@ def test_split_prefill_tiles_match_torch(monkeypatch, feature):
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
     prefill_combines = [g for g in combine.grids if g[0] == meta.num_prefill_tiles]
     assert prefill_combines, "the prefill launch did not split"
-    monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 0)
-    whole = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125, **kw)
-    torch.testing.assert_close(out, whole, atol=2e-3, rtol=2e-3)
+    if feature == "plain":  # (the other features: the reference alone, for the suite's time)
+        monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 0)
+        whole = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125, **kw)
+        torch.testing.assert_close(out, whole, atol=2e-3, rtol=2e-3)
 
 
 def test_prefill_splits_follow_the_keys(monkeypatch):
