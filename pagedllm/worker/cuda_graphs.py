@@ -13,7 +13,7 @@ LoRABatch's persistent buffer, refreshed before each replay (padding rows use no
 Steps that verify speculative drafts have their own graphs (VerifyGraphs): every
 sequence takes k + 1 rows, its last token and up to k drafts, right-aligned so that the
 rows of a sequence with fewer drafts are padding in front of its real ones. Steps that
-carry decodes and a capped prompt chunk may have theirs too (MixedGraphs, opt-in).
+carry decodes and capped prompt chunks have theirs too (MixedGraphs; PAGEDLLM_MIXED_GRAPHS=0: eager).
 """
 
 from __future__ import annotations
