@@ -296,15 +296,9 @@ def test_prefill_splits_follow_the_keys(monkeypatch):
 
     monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 8)
     monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 64)
-    grids = []
-    real = triton_backend._paged_attention_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(triton_backend, "_paged_attention_kernel", Spy())
+    attention = _CountLaunches(triton_backend._paged_attention_kernel)
+    grids = attention.grids
+    monkeypatch.setattr(triton_backend, "_paged_attention_kernel", attention)
 
     def prefill_splits(seqs, **kw):
         q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, 8, 2, 64, 16, torch.float32)

@@ -123,10 +123,10 @@ def _tile_keys(ctx, qlen, q0, TILE_Q: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _split_keys(ctx, KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
-    """Keys each split of a decode's `ctx` reads (flash-decoding): whole key blocks, at least
-    SPLIT_MIN_KEYS. The attention kernel and the combine must agree on it."""
-    return tl.maximum(tl.cdiv(tl.cdiv(ctx, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+def _split_keys(keys, KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
+    """Keys each split of a tile's `keys` reads (a decode's are its context): whole key
+    blocks, at least SPLIT_MIN_KEYS. The attention kernel and the combine must agree on it."""
+    return tl.maximum(tl.cdiv(tl.cdiv(keys, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
 
 
 @triton.jit

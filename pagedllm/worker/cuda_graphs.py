@@ -175,7 +175,6 @@ class DecodeGraphs(_StepGraphs):
             q_len=f("q_len", size), ctx_len=f("ctx", size),
         )
 
-
     def run(self, arrays: dict[str, np.ndarray],
             before_replay: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Replay the graph for a decode-only step; None if it does not fit one.

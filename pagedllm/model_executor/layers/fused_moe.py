@@ -23,10 +23,11 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
 4. The k rows of a token are summed (a [T, k, H] reduction).
 
 Steps of at most DOWN_SUM_TOKENS tokens (decodes at small batch; opt-in until measured)
-may replace 3 and 4 with one kernel, `_down_sum_kernel`: a program owns one token and BLOCK_N output columns, walks the
-token's k experts in order and adds each weighted down projection in float32, so the
-[T*k, H] rows never reach memory and the layer has one launch fewer (at batch 1 a step is
-some 600 launches, and each costs the GPU microseconds of ramp and tail).
+may replace 3 and 4 with one kernel, `_down_sum_kernel`: a program owns one token and
+BLOCK_N output columns, walks the token's k experts in order and adds each weighted down
+projection in float32, so the [T*k, H] rows never reach memory and the layer has one
+launch fewer (at batch 1 a step is some 600 launches, and each costs the GPU microseconds
+of ramp and tail).
 
 Programs whose block lies past the used length return at once, so a decode step with 8
 pairs over 128 experts reads 8 experts' weights, not 128.
