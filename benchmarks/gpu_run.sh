@@ -31,8 +31,8 @@
 # pending: the split-decode tests, gpu-long (FlashInfer prefills; carry .whl-fi) with and
 #   without flash-decoding, without and with the cap of 512 prompt tokens beside decodes;
 # followup: the split-decode and mixed-graph GPU tests, gpu-moe batch 1 with / without splits;
-# moe-b1: the fused MoE GPU tests, gpu-moe batch 1 with / without the one-kernel down and sum,
-#   a profiled batch-1 run;
+# moe-b1: the MoE GPU tests, gpu-moe batch 1 with / without key splits and on .baseline's
+#   earlier tree (if carried), a batch-1 profile with PDL off;
 # caps: gpu-7b and gpu-moe offline at no cap and at the default 512 (WORKLOADS);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
@@ -364,14 +364,20 @@ followup)
     moe_b1 PAGEDLLM_DECODE_KV_SPLITS split 16 1
     ;;
 moe-b1)
-    # Issue 33's batch-1 target: the fused MoE kernels' GPU tests, then gpu-moe at batch 1
-    # (128 in / 256 out, median of 3) with the one-kernel down projection and sum
-    # (PAGEDLLM_MOE_DOWN_SUM_TOKENS=4) and without it (0, the default), then one profiled run.
-    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py -m "gpu or not gpu" \
-        -k "per_token_loop or biases" 2>&1 | tail -2
-    moe_b1 PAGEDLLM_MOE_DOWN_SUM_TOKENS downsum 4 0
-    timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 --input-len 128 \
-        --json "$OUT/profile-moe-b1.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
+    # Issue 33's batch-1 target: the MoE GPU tests (kernels and engine parity), then gpu-moe
+    # at batch 1 (128 in / 256 out, median of 3) on this tree, on an earlier tree where
+    # .baseline/pagedllm holds one (carry .baseline: the A/B of the same run and card), and
+    # with decode keys unsplit (PAGEDLLM_DECODE_KV_SPLITS=1); then a batch-1 profile with
+    # PDL off (PAGEDLLM_PDL=0: kernels placed early overlap the one before, and a
+    # profile's per-kernel times then count the wait).
+    timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_moe.py \
+        tests/test_moe.py tests/test_fused_ops.py 2>&1 | tail -2
+    moe_b1 PAGEDLLM_DECODE_KV_SPLITS splits 16 1
+    if [[ -d .baseline/pagedllm ]]; then
+        PYTHONPATH=$PWD/.baseline:$PYTHONPATH moe_b1 PAGEDLLM_DECODE_KV_SPLITS baseline-splits 16
+    fi
+    PAGEDLLM_PDL=0 timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 \
+        --input-len 128 --json "$OUT/profile-moe-b1-nopdl.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
     ;;
 caps)
     # What the cap on a step's prompt tokens beside decodes (512 by default on GPU) costs

@@ -18,21 +18,24 @@ from pagedllm.core.request import Request
 DECODE_S = 0.010  # 64 decodes
 
 
-def device_seconds(chunks, fixed: float = 0.0) -> float:
+def device_seconds(chunks, fixed: float = 0.0, pad: int = 1) -> float:
     """The simulated step: the decodes, plus per prompt token 20 us and 2 ns per token of
     context it attends to (attention's share grows with the prompt read so far), plus
-    `fixed` for any step that carries prompt tokens (an eager step beside graph decodes)."""
+    `fixed` for any step that carries prompt tokens (an eager step beside graph decodes).
+    `pad`: a chunk costs what a multiple of `pad` tokens costs (a captured graph's size)."""
     t = DECODE_S
     for c in chunks:
         if c.num_tokens > 1:
+            n = -(-c.num_tokens // pad) * pad
             mid = c.start + c.num_tokens / 2
-            t += c.num_tokens * (20e-6 + 2e-9 * mid)
+            t += n * (20e-6 + 2e-9 * mid)
     if fixed and any(c.num_tokens > 1 for c in chunks):
         t += fixed
     return t
 
 
-def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0) -> list[tuple[int, float]]:
+def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0,
+                     pad: int = 1) -> list[tuple[int, float]]:
     """64 streams decode, then a 32k prompt arrives: (chunk, step seconds) per step until
     its first token, with the pacer (if any) timing every step."""
     sched = make_scheduler(cap)
@@ -42,7 +45,7 @@ def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0) -
         if pacer is not None:
             sched.prefill_chunk_hint = pacer.chunk()
         out = sched.schedule()
-        seconds = device_seconds(out.chunks, fixed)
+        seconds = device_seconds(out.chunks, fixed, pad)
         if pacer is not None:
             pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
         sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
@@ -69,6 +72,28 @@ def test_paced_steps_stay_near_the_ratio_where_a_fixed_cap_grows():
     chunks = [n for n, _ in paced[3:-1]]
     assert chunks[0] > 2 * chunks[-1]  # fewer tokens a step as the context grows
     assert len(paced) > len(fixed)  # the price: the prompt takes more steps
+
+
+def test_a_fixed_cost_of_most_of_the_budget_is_held_to_the_ratio_by_feedback(monkeypatch):
+    """Each prompt step costs 7 ms more whatever its chunk (70% of the budget), and a chunk
+    costs what the next multiple of 128 tokens costs (a captured graph's size). The fit
+    alone leaves the tokens half the budget (its floor): the steps run at 2.2x a decode
+    step, as the streams' gaps did on an H200 at ratio 2. The feedback on the paced steps'
+    own times brings them back to the ratio; without it (the gain held at 1) they
+    overshoot."""
+    import statistics
+
+    from pagedllm.core import prefill_pacer
+
+    def paced_ratio() -> float:
+        steps = read_long_prompt(PrefillPacer(2.0, max_chunk=512), 512, fixed=0.007)
+        return statistics.median(t for _, t in steps[8:-1]) / DECODE_S
+
+    with_feedback = paced_ratio()
+    monkeypatch.setattr(prefill_pacer, "GAIN_LIMITS", (1.0, 1.0))
+    without = paced_ratio()
+    assert without > 2.1
+    assert with_feedback <= 2.05
 
 
 @pytest.mark.parametrize("fixed", [0.004, 0.015])
@@ -111,7 +136,8 @@ def test_a_burst_of_arrivals_beside_streams_waits_for_one_timed_decode_step(monk
                 pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
                 sched.prefill_chunk_hint = pacer.chunk()
             sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
-            steps.append((sum(c.num_tokens for c in out.chunks if c.num_tokens > 1), seconds))
+            steps.append((sum(c.num_tokens for c in out.chunks if c.request_id[0] == "a" and c.start < 256),
+                          seconds))
         return steps
 
     capped = admit(None)

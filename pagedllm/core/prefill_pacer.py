@@ -20,6 +20,16 @@ and when it leaves less than half of it, bounds the per-token part by half the b
 such steps exceed the ratio by their fixed cost, and tiny chunks would only starve the
 prompt without making them shorter.
 
+The fit is a straight line; a device's step time need not be one (captured CUDA graphs
+pad a chunk up to their size, attention tiles round it up), and then paced steps ran
+longer than the ratio: on an H200, 7B shape, ratio 2, the streams' gaps while a 32k prompt
+was read were 2.2x their gaps before it. So the pacer also corrects itself by what it
+sees: after each step whose chunk it sized, it compares the time the chunk added with
+the budget and scales the next budgets by the square root of that ratio (the gain, kept
+within GAIN_LIMITS). The gain applies only where the fitted fixed part leaves room for it
+(fixed < budget); beyond that the steps overshoot whatever the chunk, and shrinking
+the chunks would only starve the prompt.
+
 Until a step of decodes alone has been timed there is no reference: the pacer then asks
 for a step without prompt tokens beside the decodes (chunk 0), and times it. Otherwise a
 burst of arrivals, each admitted beside the streams already decoding, would never leave a
@@ -39,6 +49,8 @@ from collections import deque
 # sizes must differ (largest / smallest) for the two to be told apart.
 FIT_WINDOW = 4
 FIT_SPREAD = 1.5
+# How far the feedback may scale the budget a chunk is sized to (see above).
+GAIN_LIMITS = (0.25, 2.0)
 
 
 class PrefillPacer:
@@ -52,6 +64,8 @@ class PrefillPacer:
         self.per_token_s: float | None = None  # seconds a prompt token adds to a step
         self.fixed_s = 0.0  # what a step adds for carrying any prompt at all
         self._recent: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)  # (tokens, added s)
+        self.gain = 1.0  # the feedback's scale on the budget
+        self._asked: int | None = None  # the last chunk sized to the budget (not a cap or floor)
 
     def observe(self, seconds: float, chunks: list[tuple[int, bool]]) -> None:
         """A finished step: its duration and its chunks as (tokens, reads the prompt).
@@ -74,6 +88,10 @@ class PrefillPacer:
         # Half weight on the newest step: a long prompt's per-token cost keeps rising with
         # its context, and the chunk must follow it within a step or two.
         self.per_token_s = per if self.per_token_s is None else 0.5 * self.per_token_s + 0.5 * per
+        budget = (self.ratio - 1.0) * self.decode_s
+        if prompt == self._asked and self.fixed_s < budget:  # the step ran the chunk as sized
+            err = (budget / max(added, 1e-9)) ** 0.5
+            self.gain = min(GAIN_LIMITS[1], max(GAIN_LIMITS[0], self.gain * err))
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed, per-token) seconds by least squares over the recent prompt steps, or
@@ -92,11 +110,15 @@ class PrefillPacer:
     def chunk(self) -> int:
         """Prompt tokens for the next step beside decodes; 0 before a step of decodes alone
         has been timed (so that the next one is such a step)."""
+        self._asked = None
         if self.decode_s is None:
             return 0
         if not self.per_token_s:
             return self.max_chunk  # no prompt step timed yet: the cap, then measure
         budget = (self.ratio - 1.0) * self.decode_s
         room = max(budget - self.fixed_s, 0.5 * budget)
+        if self.fixed_s < budget:
+            room *= self.gain
         n = int(room / self.per_token_s)
+        self._asked = n if self.min_chunk <= n <= self.max_chunk else None
         return max(self.min_chunk, min(self.max_chunk, n))

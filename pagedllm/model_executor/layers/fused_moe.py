@@ -22,12 +22,13 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    is read as bytes and exponents and dequantized in registers before its dot product.
 4. The k rows of a token are summed (a [T, k, H] reduction).
 
-Steps of at most DOWN_SUM_TOKENS tokens (decodes at small batch; opt-in until measured)
-may replace 3 and 4 with one kernel, `_down_sum_kernel`: a program owns one token and
-BLOCK_N output columns, walks the token's k experts in order and adds each weighted down
-projection in float32, so the [T*k, H] rows never reach memory and the layer has one
-launch fewer (at batch 1 a step is some 600 launches, and each costs the GPU microseconds
-of ramp and tail).
+   At batch 1 these are small launches among some 600 a step. Two ways of saving
+   some were measured on an H200 (gpu-moe, batch 1) and dropped: one kernel for the down
+   projection and the sum (a program a token, the k experts in turn) made the step 1.48x
+   slower, its programs waiting on one expert's weights after another; leaving the k
+   rows for the next fused residual add + RMSNorm to sum (no reduction launch) changed
+   nothing measurable (249 against 253 tok/s, with the routing weights' cast also folded
+   into route_align, which stays).
 
 Programs whose block lies past the used length return at once, so a decode step with 8
 pairs over 128 experts reads 8 experts' weights, not 128.
@@ -253,32 +254,6 @@ if triton is not None:
         tl.store(o_ptr, acc.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
     @triton.jit
-    def _down_sum_kernel(A, W, B, Out, Ids, Weights, K, N, sam, sak, swe, swn, swk, sbe, som, son,
-                         TOP_K: tl.constexpr, BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """Out[t, n-tile] = sum_j weights[t, j] * (A[t*k + j] @ W[e_j]^T (+ B[e_j])), the k
-        experts in order, in float32 on the CUDA cores (one row: a tensor-core tile would
-        be all padding)."""
-        t = tl.program_id(0).to(tl.int64)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        n_ok = rn < N
-        rk = tl.arange(0, BK)
-        total = tl.zeros((BN,), dtype=tl.float32)
-        for j in range(TOP_K):
-            p = t * TOP_K + j
-            e = tl.load(Ids + p).to(tl.int64)
-            acc = tl.zeros((BN,), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kin = rk + k0 < K
-                a = tl.load(A + p * sam + (rk + k0) * sak, mask=kin, other=0.0).to(tl.float32)
-                w = tl.load(W + e * swe + rn[:, None].to(tl.int64) * swn + (rk + k0)[None, :] * swk,
-                            mask=n_ok[:, None] & kin[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * a[None, :], 1)
-            if BIAS:
-                acc += tl.load(B + e * sbe + rn, mask=n_ok, other=0.0).to(tl.float32)
-            total += tl.load(Weights + p).to(tl.float32) * acc
-        tl.store(Out + t * som + rn * son, total.to(Out.dtype.element_ty), mask=n_ok)
-
-    @triton.jit
     def _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, P, E, CAP,
                     BM: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NB: tl.constexpr):
         """align_pairs in one program, for up to PB pairs: a histogram of the experts, the
@@ -312,13 +287,17 @@ if triton is not None:
 
     @triton.jit
     def _route_align_kernel(Logits, Weights, Ids, SortedIds, BlockExpert, Used, Scratch, T, E, stride,
-                            CAP, K: tl.constexpr, TB: tl.constexpr, EB: tl.constexpr,
+                            CAP, K: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr, EB: tl.constexpr,
                             RENORM: tl.constexpr, BM: tl.constexpr, PB: tl.constexpr,
                             NB: tl.constexpr):
         """_route_kernel for every token of a small step at once ([TB, EB] logits in one
-        program), then align_pairs on the ids it wrote: one launch where there were two."""
+        program), then align_pairs on the ids it wrote: one launch where there were two.
+        The weights are stored once, in Weights' dtype, after the float32 renormalisation
+        (transformers casts them to the activations' dtype after it; a separate cast would
+        be one more launch)."""
         t = tl.arange(0, TB)
         eb = tl.arange(0, EB)
+        kk = tl.arange(0, KB)
         t_ok = t < T
         x = tl.load(Logits + t[:, None].to(tl.int64) * stride + eb[None, :],
                     mask=t_ok[:, None] & (eb < E)[None, :], other=float("-inf")).to(tl.float32)
@@ -326,20 +305,20 @@ if triton is not None:
         p = tl.exp(x - tl.max(x, 1)[:, None])
         p = p / tl.sum(p, 1)[:, None]
         left = tl.where((eb < E)[None, :], p, -1.0)
+        chosen = tl.zeros([TB, KB], dtype=tl.float32)
         total = tl.zeros([TB], dtype=tl.float32)
         for j in tl.static_range(K):
             best = tl.max(left, 1)
             idx = tl.min(tl.where(left == best[:, None], eb[None, :], EB), 1)  # lowest among ties
-            tl.store(Weights + t * K + j, best, mask=t_ok)
             tl.store(Ids + t * K + j, idx, mask=t_ok)
+            chosen = tl.where(kk[None, :] == j, best[:, None], chosen)
             total += best
             left = tl.where(eb[None, :] == idx[:, None], -1.0, left)
-        tl.debug_barrier()
         if RENORM:
-            kk = tl.arange(0, K)
-            wp = Weights + t[:, None] * K + kk[None, :]
-            w = tl.load(wp, mask=t_ok[:, None], other=1.0)
-            tl.store(wp, w / total[:, None], mask=t_ok[:, None])
+            chosen = chosen / total[:, None]
+        tl.store(Weights + t[:, None] * K + kk[None, :], chosen.to(Weights.dtype.element_ty),
+                 mask=t_ok[:, None] & (kk < K)[None, :])
+        tl.debug_barrier()
         _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, T * K, E, CAP, BM, PB, EB, NB)
 
     @triton.jit
@@ -413,33 +392,27 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
 ROUTE_ALIGN_TOKENS = 64  # up to this many tokens, one program routes and aligns (decode steps)
 
 
-def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: int
+def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: int,
+                dtype: torch.dtype = torch.float32
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """route() and align_pairs() of its ids in one single-program launch, for steps of at
     most ROUTE_ALIGN_TOKENS tokens: (weights, ids, (sorted ids, expert per block, rows
-    used)), the same values the two calls give. Not for the batch-invariant mode: a
-    token's softmax sum is reduced in another order here than in route()."""
+    used)), the same values the two calls give, the weights cast to `dtype` after the
+    float32 renormalisation. Not for the batch-invariant mode: a token's softmax sum is
+    reduced in another order here than in route()."""
     tokens, experts = logits.shape
     if not 0 < tokens <= ROUTE_ALIGN_TOKENS:
         raise ValueError(f"route_align takes 1 to {ROUTE_ALIGN_TOKENS} tokens, got {tokens}")
     dev = logits.device
-    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=dev)
+    weights = torch.empty((tokens, top_k), dtype=dtype, device=dev)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=dev)
     pairs = tokens * top_k
     cap, (sorted_ids, block_expert, used, scratch), sizes = _align_buffers(pairs, experts, block_m, dev)
     _route_align_kernel[(1,)](logits, weights, ids, sorted_ids, block_expert, used, scratch, tokens,
-                              experts, logits.stride(0), cap, K=top_k, TB=max(2, _pow2(tokens)),
-                              RENORM=renormalise, **sizes, num_warps=8)
+                              experts, logits.stride(0), cap, K=top_k, KB=_pow2(top_k),
+                              TB=max(2, _pow2(tokens)), RENORM=renormalise, **sizes, num_warps=8)
     return weights, ids, (sorted_ids, block_expert, used)
 
-
-# Up to this many tokens the down projection and the sum over k are one kernel
-# (_down_sum_kernel): its programs re-read an expert each of its tokens routes to, which a
-# few tokens rarely share, and save the [T*k, H] rows and the reduction's launch. Off (0)
-# until a GPU run has measured it against the two launches: PAGEDLLM_MOE_DOWN_SUM_TOKENS=4
-# turns it on (benchmarks/gpu_run.sh moe-b1 compares the two).
-DOWN_SUM_TOKENS = int(os.environ.get("PAGEDLLM_MOE_DOWN_SUM_TOKENS", "0"))
-DOWN_SUM_LAUNCH = {"BN": 16, "BK": 256, "num_warps": 4}
 
 # The batch-invariant mode's one configuration: a pair's row is then the same K-ordered
 # sum in any batch (the tuned tiles change with the token count).
@@ -488,14 +461,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         *h.stride(), float(alpha), float(limit), IEEE=ieee, BIAS=b13 is not None,
         SWIGLU=swiglu is not None, MXFP4=mxfp4, BM=bm, BN=bn, BK=bk, **launch)
     flat_w = weights.reshape(-1)
-    if tokens <= DOWN_SUM_TOKENS and not invariant and not mxfp4:
-        out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-        bn_s = DOWN_SUM_LAUNCH["BN"]
-        _down_sum_kernel[(tokens, triton.cdiv(hidden, bn_s))](
-            h, w2, w2 if b2 is None else b2, out, ids.reshape(-1), flat_w, inter, hidden, *h.stride(), *w2.stride(),
-            0 if b2 is None else b2.stride(0), *out.stride(), TOP_K=top_k, BIAS=b2 is not None,
-            BN=bn_s, BK=DOWN_SUM_LAUNCH["BK"], num_warps=DOWN_SUM_LAUNCH["num_warps"])
-        return out
     out = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     s2 = w2 if w2_scale is None else w2_scale
     _down_kernel[(blocks * triton.cdiv(hidden, bn),)](

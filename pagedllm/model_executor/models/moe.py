@@ -183,9 +183,8 @@ class SparseMoeBlock(nn.Module):
                 or not 0 < tokens <= fused_moe.ROUTE_ALIGN_TOKENS or batch_invariant.is_enabled()):
             return None
         cfg = fused_moe.pick_config(tokens * self.top_k, self.num_experts, x.shape[1], self.inter, self.top_k)
-        weights, ids, aligned = fused_moe.route_align(self.gate(x), self.top_k, self.norm_topk_prob, cfg["BM"])
-        if not self.weights_in_fp32:
-            weights = weights.to(x.dtype)
+        weights, ids, aligned = fused_moe.route_align(self.gate(x), self.top_k, self.norm_topk_prob, cfg["BM"],
+                                                      torch.float32 if self.weights_in_fp32 else x.dtype)
         return self.run_experts(x, weights, ids, cfg, aligned)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
