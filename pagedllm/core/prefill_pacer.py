@@ -30,13 +30,6 @@ within GAIN_LIMITS). The gain applies only where the fitted fixed part leaves ro
 (fixed < budget); beyond that the steps overshoot whatever the chunk, and shrinking
 the chunks would only starve the prompt.
 
-Where such graphs run the steps (`graph_chunks`, the prompt rows they were captured for),
-a chunk between two sizes costs the larger one's matrix products: the pacer rounds its
-chunk down to a captured size, so that every row the step pays for is a prompt token, and
-asks for no fewer than the smallest size, whose rows a step pays for anyway (fewer would
-save only attention, and shrinking towards it starved a prompt whose steps could not
-reach the ratio at any size).
-
 Until a step of decodes alone has been timed there is no reference: the pacer then asks
 for a step without prompt tokens beside the decodes (chunk 0), and times it. Otherwise a
 burst of arrivals, each admitted beside the streams already decoding, would never leave a
@@ -61,8 +54,7 @@ GAIN_LIMITS = (0.25, 2.0)
 
 
 class PrefillPacer:
-    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16,
-                 graph_chunks: list[int] | None = None):
+    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16):
         if not ratio > 1.0:
             raise ValueError(f"the prefill step ratio must be > 1, got {ratio!r}")
         self.ratio = ratio
@@ -74,7 +66,6 @@ class PrefillPacer:
         self._recent: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)  # (tokens, added s)
         self.gain = 1.0  # the feedback's scale on the budget
         self._asked: int | None = None  # the last chunk sized to the budget (not a cap or floor)
-        self.graph_chunks = sorted(graph_chunks or [])
 
     def observe(self, seconds: float, chunks: list[tuple[int, bool]]) -> None:
         """A finished step: its duration and its chunks as (tokens, reads the prompt).
@@ -129,9 +120,5 @@ class PrefillPacer:
         if self.fixed_s < budget:
             room *= self.gain
         n = int(room / self.per_token_s)
-        fits = [c for c in self.graph_chunks if c <= n]
-        if fits:  # a chunk between two captured sizes would pay for the larger
-            n = fits[-1]
-        floor = max(self.min_chunk, self.graph_chunks[0] if self.graph_chunks else 0)
-        self._asked = n if floor <= n <= self.max_chunk else None
-        return max(floor, min(self.max_chunk, n))
+        self._asked = n if self.min_chunk <= n <= self.max_chunk else None
+        return max(self.min_chunk, min(self.max_chunk, n))

@@ -78,9 +78,8 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks(config.max_num_batched_tokens,
                                                             config.max_num_seqs)
             self.executor.allocate_kv_cache(num_blocks)
-            graph_chunks: list[int] = []
             if config.runner != "pooling":  # embeddings never decode
-                graph_chunks = self.executor.capture_graphs(config.max_num_seqs) or []
+                self.executor.capture_graphs(config.max_num_seqs)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -112,8 +111,7 @@ class EngineCore:
         self._pacer = None
         if config.prefill_step_ratio is not None:
             self._pacer = PrefillPacer(config.prefill_step_ratio,
-                                       config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens,
-                                       graph_chunks=graph_chunks)
+                                       config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens)
             self.scheduler.prefill_chunk_hint = self._pacer.chunk()
         self._launched: dict[int, float] = {}  # id(SchedulerOutput) -> when it was launched
         self._last_done: float | None = None  # when the last step's results were read

@@ -32,7 +32,7 @@ class Executor(Protocol):
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int: ...
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
-    def capture_graphs(self, max_num_seqs: int) -> list[int]: ...  # the mixed graphs' chunk sizes
+    def capture_graphs(self, max_num_seqs: int) -> None: ...
     def execute(self, so: SchedulerOutput) -> RunnerOutput: ...
     def launch(self, so: SchedulerOutput) -> StepHandle: ...
     def shutdown(self) -> None: ...
@@ -80,8 +80,8 @@ class RankGroupExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._run("allocate_kv_cache", (num_blocks,))
 
-    def capture_graphs(self, max_num_seqs: int) -> list[int]:
-        return self._run("capture_graphs", (max_num_seqs,))[0]
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        self._run("capture_graphs", (max_num_seqs,))
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self._run("execute", (so,))[0]

@@ -43,8 +43,8 @@ class UniprocExecutor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def capture_graphs(self, max_num_seqs: int) -> list[int]:
-        return self.runner.capture_graphs(max_num_seqs)
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        self.runner.capture_graphs(max_num_seqs)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(so)

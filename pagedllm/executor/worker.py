@@ -62,12 +62,11 @@ class Worker:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def capture_graphs(self, max_num_seqs: int) -> list[int]:
+    def capture_graphs(self, max_num_seqs: int) -> None:
         # A captured decode step would have to contain the NCCL all-reduces; until that
         # is measured and tested, TP ranks run decode eagerly.
         if self.world_size == 1:
-            return self.runner.capture_graphs(max_num_seqs)
-        return []
+            self.runner.capture_graphs(max_num_seqs)
 
     def execute(self, so):
         out = self.runner.execute(so)

@@ -315,14 +315,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def capture_graphs(self, max_num_seqs: int) -> list[int]:
-        """Capture decode steps as CUDA graphs (needs the graph-safe Triton backend). Returns
-        the prompt rows the mixed graphs were captured for ([] if none): a chunk between two
-        of them runs padded to the larger, which the prefill pacer sizes its chunks by."""
+    def capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode steps as CUDA graphs (needs the graph-safe Triton backend)."""
         if (self.device.type != "cuda" or self.config.enforce_eager
                 or not getattr(self.backend, "graph_safe", False)
                 or not getattr(self.model, "graph_safe", True)):  # a model's own attention may not be
-            return []
+            return
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
@@ -346,7 +344,6 @@ class ModelRunner:
                     self.backend.tile_q(s.num_heads // s.num_kv_heads))
                 logger.info("mixed steps (decodes beside up to %d prompt rows) replay from %d CUDA graphs",
                             chunks[-1], len(self.mixed_graphs.graphs))
-        return list(self.mixed_graphs.chunks) if self.mixed_graphs is not None else []
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
