@@ -314,3 +314,43 @@ def test_prefill_splits_follow_the_keys(monkeypatch):
     assert prefill_splits([(20, 600)], sliding_window=64) == 1
     monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 0)
     assert prefill_splits([(20, 5000)]) == 1  # enough tiles for the device
+
+
+@pytest.mark.parametrize("layout", ["eager", "graph", "rows-kernel"])
+def test_a_long_decode_among_short_ones_splits_its_keys(monkeypatch, layout):
+    """Decodes where one context dwarfs the rest (attention.long_decode): the launch splits
+    keys though the batch alone would not (eagerly as far as the longest context fills
+    splits; in a captured graph's layout, no host lengths and `decode_long` set, over
+    MAX_KV_SPLITS), also where one query per KV head would take the unsplit rows kernel;
+    the outputs equal the torch reference. Without the long context nothing splits."""
+    from pagedllm.attention import metadata, triton_backend
+
+    monkeypatch.setattr(metadata, "LONG_DECODE_KEYS", 1024)
+    if layout == "rows-kernel":
+        monkeypatch.setattr(TritonPagedAttention, "DECODE_ROWS", "rows")
+    attention = _CountLaunches(triton_backend._paged_attention_kernel)
+    monkeypatch.setattr(triton_backend, "_paged_attention_kernel", attention)
+    combine = _CountLaunches(triton_backend._combine_splits_kernel)
+    monkeypatch.setattr(triton_backend, "_combine_splits_kernel", combine)
+
+    def run(seqs, long: bool):
+        q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, 4, 4, 64, 16, torch.float32,
+                                                                           seed=3)
+        q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
+        meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(1), DEV)
+        ref = TorchPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+        if layout != "eager":
+            meta.host_ctx_len = None
+            meta.decode_long = long
+        attention.grids.clear()
+        combine.grids.clear()
+        out = TritonPagedAttention.forward(q, k, v, kc.clone(), vc.clone(), meta, 0.125)
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+        return [g[2] if len(g) > 2 else 1 for g in attention.grids], len(combine.grids)
+
+    short = [(1, 20), (1, 40), (1, 70), (1, 30), (1, 50)]
+    assert triton_backend.kv_splits(6, 4, torch.device(DEV)) == 1  # the batch alone: no split
+    splits, combines = run(short + [(1, 1500)], True)
+    assert splits == [6 if layout == "eager" else triton_backend.MAX_KV_SPLITS] and combines == 1
+    splits, combines = run(short + [(1, 1000)], False)  # under LONG_DECODE_KEYS
+    assert splits in ([1], []) and combines == 0  # ([]: the rows kernel took them)

@@ -6,10 +6,10 @@ import os
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, long_decode
 from pagedllm.attention.torch_backend import TorchPagedAttention
 
-__all__ = ["AttentionMetadata", "TorchPagedAttention", "get_attention_backend"]
+__all__ = ["AttentionMetadata", "TorchPagedAttention", "get_attention_backend", "long_decode"]
 
 
 def get_attention_backend(device: torch.device, batch_invariant: bool = False):

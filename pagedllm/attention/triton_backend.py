@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pagedllm import pdl
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, long_decode
 from pagedllm.pdl import launch_dependents, wait
 
 
@@ -435,6 +435,7 @@ def kv_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
 
 class TritonPagedAttention:
     name = "triton"
+    splits_long_decodes = True  # honours AttentionMetadata.decode_long (DecodeGraphs' second set)
     supports_alibi = True
     supports_softcap = True
     supports_sinks = True
@@ -520,7 +521,11 @@ class TritonPagedAttention:
                                         sliding_window, k_scale, v_scale, logits_soft_cap, sinks,
                                         causal)
         slopes = q if alibi_slopes is None else alibi_slopes  # any pointer when unused
-        if meta.num_decode and cls._rows_decode(group, q, alibi_slopes, logits_soft_cap, sinks, causal):
+        long = (meta.decode_long if meta.host_ctx_len is None
+                else bool(meta.num_decode) and long_decode(meta.host_ctx_len[: meta.num_decode]))
+        long = long and sliding_window is None
+        if (meta.num_decode and not long
+                and cls._rows_decode(group, q, alibi_slopes, logits_soft_cap, sinks, causal)):
             _decode_rows_kernel[(meta.num_decode, hkv)](
                 q, k_cache, v_cache, out, meta.block_tables, meta.q_start, meta.ctx_len,
                 common["scale_log2"], common["v_scale"], common["window"], *q.stride()[:2],
@@ -532,6 +537,11 @@ class TritonPagedAttention:
             launch = cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH
             block_m = max(16, _pow2(group))
             splits = 1 if sliding_window is not None else kv_splits(meta.num_decode, hkv, q.device)
+            if long:  # the rows kernel (one query per KV head) has no splits: this one has
+                splits = MAX_KV_SPLITS
+                if meta.host_ctx_len is not None:  # eager: no more than the keys fill
+                    longest = int(meta.host_ctx_len[: meta.num_decode].max())
+                    splits = max(1, min(splits, triton.cdiv(longest, SPLIT_MIN_KEYS)))
             cls._split_launch(args, (meta.q_start, meta.q_start), slopes, out, meta, common, launch,
                               meta.num_decode, hkv, splits, 1, block_m, True)
         if meta.num_prefill_tiles:
@@ -592,6 +602,7 @@ class TritonInvariantAttention(TritonPagedAttention):
     block runs masked (SPLIT off): whether a block falls before a tile's diagonal depends on
     the tile, and the unmasked code may contract its floating-point operations otherwise."""
     supports_bidirectional = False  # its launches take no CAUSAL switch
+    splits_long_decodes = False  # a split would change a row's sums with its batch
 
     name = "triton_invariant"
     BLOCK_M = 64

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.attention import AttentionMetadata, long_decode
 from pagedllm.config import env_flag
 
 
@@ -90,13 +90,12 @@ class _GraphInputs:
 
 
 def _capture(sizes: list[int], device: torch.device, forward: Callable[[int], torch.Tensor],
-             before: Callable[[int], None] | None = None) -> tuple[dict, dict]:
+             before: Callable[[int], None] | None = None, pool=None) -> tuple[dict, dict]:
     """One graph of `forward(size)` per size, largest first so that the smaller ones reuse
-    its memory pool; each size runs twice outside the capture to compile its kernels and
-    settle allocations."""
+    its memory pool (or `pool`, another set's); each size runs twice outside the capture to
+    compile its kernels and settle allocations."""
     graphs: dict[int, torch.cuda.CUDAGraph] = {}
     outputs: dict[int, torch.Tensor] = {}
-    pool = None
     for size in reversed(sizes):
         if before is not None:
             before(size)
@@ -141,8 +140,13 @@ class _StepGraphs:
 
 
 class DecodeGraphs(_StepGraphs):
+    """Decode steps, one graph per batch size; with `long_variants` a second set whose
+    attention splits every sequence's keys (AttentionMetadata.decode_long), replayed for
+    batches with one long context among short ones (attention.long_decode), where the
+    first set would wait on that sequence's keys read by one program a head."""
+
     def __init__(self, model, kv_caches, device: torch.device, max_batch: int, max_blocks: int,
-                 lora=None):
+                 lora=None, long_variants: bool = False):
         super().__init__(max_batch, max_blocks)
         self.lora = lora  # a LoRABatch, or None
         b, w = self.max_batch, self.width
@@ -159,20 +163,27 @@ class DecodeGraphs(_StepGraphs):
                 lora.bind(size)
                 lora.active = True
 
-        def forward(size: int) -> torch.Tensor:
+        def forward(size: int, long: bool = False) -> torch.Tensor:
             ids, pos = self.inputs.field("ids", size), self.inputs.field("pos", size)
-            return model.compute_logits(model(ids, pos, kv_caches, self._meta(size)))
+            return model.compute_logits(model(ids, pos, kv_caches, self._meta(size, long)))
 
         self.graphs, self.logits = _capture(self.sizes, device, forward, before)
+        self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.long_logits: dict[int, torch.Tensor] = {}
+        if long_variants:
+            self.long_graphs, self.long_logits = _capture(
+                self.sizes, device, lambda size: forward(size, True), before,
+                pool=self.graphs[self.sizes[0]].pool())
+        self.long_replays = 0  # steps the long set served (the tests check that some were)
         if lora is not None:
             lora.active = False
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _meta(self, size: int, long: bool = False) -> AttentionMetadata:
         f = self.inputs.field
         return AttentionMetadata(
             slot_mapping=f("slots", size), num_decode=size,
             block_tables=self._tables()[:size], q_start=f("q_start", size),
-            q_len=f("q_len", size), ctx_len=f("ctx", size),
+            q_len=f("q_len", size), ctx_len=f("ctx", size), decode_long=long,
         )
 
     def run(self, arrays: dict[str, np.ndarray],
@@ -195,6 +206,10 @@ class DecodeGraphs(_StepGraphs):
             before_replay(self.inputs.field("ids", n))
         if self.lora is not None:
             self.lora.set(arrays["lora_slots"], size)
+        if self.long_graphs and long_decode(arrays["ctx_len"]):
+            self.long_replays += 1
+            self.long_graphs[size].replay()
+            return self.long_logits[size][:n]
         self.graphs[size].replay()
         return self.logits[size][:n]
 

@@ -20,6 +20,7 @@ import torch
 
 from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata, get_attention_backend
+from pagedllm.attention.metadata import LONG_DECODE_KEYS
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
@@ -323,9 +324,12 @@ class ModelRunner:
             return
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
+            # the second set, for one long context among short ones, where one can occur
+            long_variants = (self.max_model_len >= 2 * LONG_DECODE_KEYS
+                             and getattr(self.backend, "splits_long_decodes", False))
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        min(max_num_seqs, 256), max_blocks,
-                                       self.lora.batch if self.lora is not None else None)
+                                       self.lora.batch if self.lora is not None else None, long_variants)
             spec = self.config.speculative_config
             # Verify steps run the prefill path; they stay eager with LoRA (its rows would
             # need the padded layout) and where a model lays prefills out from host lengths
