@@ -2,7 +2,8 @@
 CPU, in Triton's interpreter: the kernel cases of test_triton_attention.py that force
 splits, and a whole engine on the Triton attention backend with the default settings (splits on),
 whose greedy tokens must equal HF transformers', and PAGEDLLM_DECODE_KV_SPLITS=1 turning
-them off. In subprocesses: TRITON_INTERPRET and PAGEDLLM_DECODE_KV_SPLITS are read when
+them off; and the decode graphs' second set, for one long context among short ones. In
+subprocesses: TRITON_INTERPRET and PAGEDLLM_DECODE_KV_SPLITS are read when
 the modules are imported."""
 
 from __future__ import annotations
@@ -54,3 +55,12 @@ def test_engine_with_split_decodes_matches_hf(tmp_path, splits):
                           PAGEDLLM_DECODE_KV_SPLITS=None if splits == "default" else splits)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok"), \
         res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_long_decode_graphs_interpreted():
+    """tests/test_long_decode_graphs.py in Triton's interpreter: DecodeGraphs' second set
+    (stand-in graphs) replayed for one long context among short ones."""
+    pytest.importorskip("triton")
+    res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_long_decode_graphs.py",
+                           "-k", "interpreted"], 600)
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]

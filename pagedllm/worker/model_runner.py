@@ -21,7 +21,7 @@ import torch
 from pagedllm import batch_invariant
 from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.attention.metadata import LONG_DECODE_KEYS
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, env_flag
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks
@@ -325,8 +325,10 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         with torch.inference_mode(), batch_invariant.enabled(self.batch_invariant):
             # the second set, for one long context among short ones, where one can occur
+            # (PAGEDLLM_LONG_DECODE_GRAPHS=0: none; such steps then replay the first set)
             long_variants = (self.max_model_len >= 2 * LONG_DECODE_KEYS
-                             and getattr(self.backend, "splits_long_decodes", False))
+                             and getattr(self.backend, "splits_long_decodes", False)
+                             and env_flag("PAGEDLLM_LONG_DECODE_GRAPHS", default=True))
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
                                        min(max_num_seqs, 256), max_blocks,
                                        self.lora.batch if self.lora is not None else None, long_variants)
