@@ -18,7 +18,8 @@
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
 # mixed: 64 streams on gpu-7b's shape with one 32k prompt sent among them (bench serve
 #   --long-prompt-len), per cap on a step's prompt tokens (CAPS, default "512 256") and
-#   with paced chunks (RATIOS, --prefill-step-ratio, default "2"); MIXED_GRAPHS=0 runs the
+#   with paced chunks (RATIOS, --prefill-step-ratio, default "1.5 2"; 1.5 met the target on an
+#   H200), after the mixed and long-decode graph GPU tests; MIXED_GRAPHS=0 runs the
 #   steps with decodes and a prompt chunk eagerly instead of from CUDA graphs;
 # lora: the multi-LoRA GPU tests and benchmarks/lora_bench.py (gpu-7b, rank-16 adapters);
 # lora-profile: the LoRA kernels per launch setting (benchmarks/lora_kernel_bench.py), then
@@ -360,7 +361,8 @@ followup)
     # gpu-moe at batch 1 with flash-decoding (the default) and without it.
     timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
         -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -3
-    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py 2>&1 | tail -3
+    timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py \
+        tests/test_long_decode_graphs.py 2>&1 | tail -3
     moe_b1 PAGEDLLM_DECODE_KV_SPLITS split 16 1
     ;;
 moe-b1)
@@ -463,7 +465,8 @@ mixed)
         export PAGEDLLM_MIXED_GRAPHS=0
         tag=mixed-eager
     else
-        timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py 2>&1 | tail -3
+        timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mixed_graphs.py \
+            tests/test_long_decode_graphs.py 2>&1 | tail -3
     fi
     for c in ${CAPS-512 256}; do  # CAPS="" runs none
         if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "$tag-cap$c" --max-model-len 40960 \
@@ -473,7 +476,7 @@ mixed)
             stop_7b
         fi
     done
-    for r in ${RATIOS-2}; do  # paced chunks (--prefill-step-ratio), within the 512 cap
+    for r in ${RATIOS-1.5 2}; do  # paced chunks (--prefill-step-ratio), within the 512 cap
         if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "$tag-ratio$r" --max-model-len 40960 \
                 --prefill-step-ratio "$r"; then
             BENCH_S=$(cap 150) bench_7b "$tag-ratio$r" 64 64 --output-len 512 --warmup 1 \
