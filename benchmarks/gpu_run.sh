@@ -477,8 +477,9 @@ mixed)
         fi
     done
     for r in ${RATIOS-1.5 2}; do  # paced chunks (--prefill-step-ratio), within the 512 cap
-        if MAX_POS=40960 SERVER_WAIT_S=$(cap 200) start_7b "$tag-ratio$r" --max-model-len 40960 \
-                --prefill-step-ratio "$r"; then
+        # the pacer's figures after each step, a JSON line each (core/prefill_pacer.py)
+        if PAGEDLLM_PACER_TRACE="$OUT/pacer-$tag-ratio$r.jsonl" MAX_POS=40960 SERVER_WAIT_S=$(cap 200) \
+                start_7b "$tag-ratio$r" --max-model-len 40960 --prefill-step-ratio "$r"; then
             BENCH_S=$(cap 150) bench_7b "$tag-ratio$r" 64 64 --output-len 512 --warmup 1 \
                 --long-prompt-len 32000 --long-prompt-delay 3
             stop_7b

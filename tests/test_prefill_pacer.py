@@ -204,3 +204,21 @@ def test_an_engine_with_pacing_reads_prompts_in_paced_chunks_and_answers_the_sam
     pacer = llm.engine.core._pacer
     assert pacer.decode_s is not None and pacer.per_token_s is not None
     assert 1 <= pacer.chunk() <= 32
+
+
+def test_a_trace_records_each_observed_step():
+    """PAGEDLLM_PACER_TRACE's file (here a buffer): a JSON line for each step with decodes,
+    with the chunk the pacer had asked for and its figures after the step."""
+    import io
+    import json
+
+    buf = io.StringIO()
+    p = PrefillPacer(2.0, max_chunk=256, trace=buf)
+    p.observe(0.5, [(100, True)])  # no decode: not observed, not traced
+    p.observe(0.010, [(1, False)] * 8)
+    p.chunk()
+    p.observe(0.030, [(1, False)] * 8 + [(100, True)])
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    assert [x["prompt"] for x in lines] == [0, 100]
+    assert lines[0]["decode_s"] == 0.010 and lines[1]["per_token_s"] == pytest.approx(0.0002)
+    assert set(lines[1]) == {"seconds", "prompt", "asked", "decode_s", "fixed_s", "per_token_s", "gain"}

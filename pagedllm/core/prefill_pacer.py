@@ -38,12 +38,16 @@ decode-only step to time, and every admission step would run at the fixed cap (o
 p99 of the whole run once the long prompt itself was paced).
 
 Pure Python and no clock of its own: the engine core times its steps and reports them
-(observe), the scheduler asks for the chunk (chunk).
+(observe), the scheduler asks for the chunk (chunk). With a `trace` (the engine core opens
+PAGEDLLM_PACER_TRACE's file) every observed step with decodes is written as a JSON line:
+its time, prompt tokens, and the pacer's figures after it, for reading a run afterwards.
 """
 
 from __future__ import annotations
 
+import json
 from collections import deque
+from typing import TextIO
 
 # Prompt steps the fit of fixed and per-token cost looks back on, and how much their chunk
 # sizes must differ (largest / smallest) for the two to be told apart.
@@ -54,7 +58,7 @@ GAIN_LIMITS = (0.25, 2.0)
 
 
 class PrefillPacer:
-    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16):
+    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16, trace: TextIO | None = None):
         if not ratio > 1.0:
             raise ValueError(f"the prefill step ratio must be > 1, got {ratio!r}")
         self.ratio = ratio
@@ -66,6 +70,7 @@ class PrefillPacer:
         self._recent: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)  # (tokens, added s)
         self.gain = 1.0  # the feedback's scale on the budget
         self._asked: int | None = None  # the last chunk sized to the budget (not a cap or floor)
+        self.trace = trace
 
     def observe(self, seconds: float, chunks: list[tuple[int, bool]]) -> None:
         """A finished step: its duration and its chunks as (tokens, reads the prompt).
@@ -73,6 +78,16 @@ class PrefillPacer:
         prompt = sum(n for n, prefill in chunks if prefill)
         if seconds <= 0 or not any(not prefill for _, prefill in chunks):
             return
+        try:
+            self._observe(seconds, prompt)
+        finally:
+            if self.trace is not None:
+                self.trace.write(json.dumps({
+                    "seconds": round(seconds, 6), "prompt": prompt, "asked": self._asked,
+                    "decode_s": self.decode_s, "fixed_s": self.fixed_s, "per_token_s": self.per_token_s,
+                    "gain": round(self.gain, 4)}) + "\n")
+
+    def _observe(self, seconds: float, prompt: int) -> None:
         if prompt == 0:
             self.decode_s = seconds if self.decode_s is None else 0.8 * self.decode_s + 0.2 * seconds
             return

@@ -9,6 +9,7 @@ the same in-process, under the offline `LLM`, and in a process of its own under 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -110,8 +111,10 @@ class EngineCore:
         self.async_scheduling = bool(config.async_scheduling)
         self._pacer = None
         if config.prefill_step_ratio is not None:
+            trace = os.environ.get("PAGEDLLM_PACER_TRACE")  # a JSON line a step (prefill_pacer.py)
             self._pacer = PrefillPacer(config.prefill_step_ratio,
-                                       config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens)
+                                       config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens,
+                                       trace=open(trace, "a", buffering=1) if trace else None)
             self.scheduler.prefill_chunk_hint = self._pacer.chunk()
         self._launched: dict[int, float] = {}  # id(SchedulerOutput) -> when it was launched
         self._last_done: float | None = None  # when the last step's results were read
