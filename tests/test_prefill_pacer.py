@@ -171,10 +171,14 @@ def test_prefill_step_ratio_is_checked(ratio):
         EngineConfig(model="m", prefill_step_ratio=ratio)
 
 
-def test_an_engine_with_pacing_reads_prompts_in_paced_chunks_and_answers_the_same(tiny_models):
+def test_an_engine_with_pacing_reads_prompts_in_paced_chunks_and_answers_the_same(tiny_models, tmp_path,
+                                                                                 monkeypatch):
     """The tiny Llama on CPU: four streams decode, then a 300-token prompt arrives under a
     small budget; with and without pacing. The pacer times the steps (decodes alone, then
-    with the prompt's chunks); pacing changes the chunks, never the tokens."""
+    with the prompt's chunks); pacing changes the chunks, never the tokens. Its trace
+    (PAGEDLLM_PACER_TRACE) holds the steps that read the prompt."""
+    import json
+
     from pagedllm import LLM, SamplingParams
 
     path, _ = tiny_models("llama")
@@ -199,11 +203,14 @@ def test_an_engine_with_pacing_reads_prompts_in_paced_chunks_and_answers_the_sam
         return outs, llm
 
     want, _ = run()
+    monkeypatch.setenv("PAGEDLLM_PACER_TRACE", str(tmp_path / "pacer.jsonl"))
     got, llm = run(prefill_step_ratio=1.5)
     assert got == want and set(got) == {"s0", "s1", "s2", "s3", "long"}
     pacer = llm.engine.core._pacer
     assert pacer.decode_s is not None and pacer.per_token_s is not None
     assert 1 <= pacer.chunk() <= 32
+    traced = [json.loads(x) for x in (tmp_path / "pacer.jsonl").read_text().splitlines()]
+    assert sum(x["prompt"] for x in traced) >= 300 - 32  # the prompt's chunks beside the streams
 
 
 def test_a_trace_records_each_observed_step():
