@@ -26,7 +26,8 @@ longer than the ratio: on an H200, 7B shape, ratio 2, the streams' gaps while a 
 was read were 2.2x their gaps before it. So the pacer also corrects itself by what it
 sees: after each step whose chunk it sized, it compares the time the chunk added with
 the budget and scales the next budgets by the square root of that ratio (the gain, kept
-within GAIN_LIMITS). The gain applies only where the fitted fixed part leaves room for it
+within GAIN_LIMITS). Under async scheduling the step observed ran the chunk asked one
+call earlier, and the two differ by the steps' noise: the pacer keeps the last two. The gain applies only where the fitted fixed part leaves room for it
 (fixed < budget); beyond that the steps overshoot whatever the chunk, and shrinking
 the chunks would only starve the prompt.
 
@@ -69,7 +70,10 @@ class PrefillPacer:
         self.fixed_s = 0.0  # what a step adds for carrying any prompt at all
         self._recent: deque[tuple[int, float]] = deque(maxlen=FIT_WINDOW)  # (tokens, added s)
         self.gain = 1.0  # the feedback's scale on the budget
-        self._asked: int | None = None  # the last chunk sized to the budget (not a cap or floor)
+        # The last chunks sized to the budget (not a cap or floor; None for those): under
+        # async scheduling a step is scheduled before the one ahead of it is observed, so
+        # the step observed ran the chunk asked one call of chunk() earlier.
+        self._asked: deque[int | None] = deque([None, None], maxlen=2)
         self.trace = trace
 
     def observe(self, seconds: float, chunks: list[tuple[int, bool]]) -> None:
@@ -83,7 +87,7 @@ class PrefillPacer:
         finally:
             if self.trace is not None:
                 self.trace.write(json.dumps({
-                    "seconds": round(seconds, 6), "prompt": prompt, "asked": self._asked,
+                    "seconds": round(seconds, 6), "prompt": prompt, "asked": list(self._asked),
                     "decode_s": self.decode_s, "fixed_s": self.fixed_s, "per_token_s": self.per_token_s,
                     "gain": round(self.gain, 4)}) + "\n")
 
@@ -104,7 +108,7 @@ class PrefillPacer:
         # its context, and the chunk must follow it within a step or two.
         self.per_token_s = per if self.per_token_s is None else 0.5 * self.per_token_s + 0.5 * per
         budget = (self.ratio - 1.0) * self.decode_s
-        if prompt == self._asked and self.fixed_s < budget:  # the step ran the chunk as sized
+        if prompt in self._asked and self.fixed_s < budget:  # the step ran a chunk as sized
             err = (budget / max(added, 1e-9)) ** 0.5
             self.gain = min(GAIN_LIMITS[1], max(GAIN_LIMITS[0], self.gain * err))
 
@@ -125,15 +129,14 @@ class PrefillPacer:
     def chunk(self) -> int:
         """Prompt tokens for the next step beside decodes; 0 before a step of decodes alone
         has been timed (so that the next one is such a step)."""
-        self._asked = None
-        if self.decode_s is None:
-            return 0
-        if not self.per_token_s:
-            return self.max_chunk  # no prompt step timed yet: the cap, then measure
+        if self.decode_s is None or not self.per_token_s:
+            self._asked.append(None)
+            # nothing timed: a step of decodes alone first; no prompt step: the cap, to measure
+            return 0 if self.decode_s is None else self.max_chunk
         budget = (self.ratio - 1.0) * self.decode_s
         room = max(budget - self.fixed_s, 0.5 * budget)
         if self.fixed_s < budget:
             room *= self.gain
         n = int(room / self.per_token_s)
-        self._asked = n if self.min_chunk <= n <= self.max_chunk else None
+        self._asked.append(n if self.min_chunk <= n <= self.max_chunk else None)
         return max(self.min_chunk, min(self.max_chunk, n))
