@@ -33,7 +33,7 @@
 #   without flash-decoding, without and with the cap of 512 prompt tokens beside decodes;
 # followup: the split-decode and mixed-graph GPU tests, gpu-moe batch 1 with / without splits;
 # moe-b1: the MoE GPU tests, gpu-moe batch 1 with / without key splits and on .baseline's
-#   earlier tree (if carried), a batch-1 profile with PDL off;
+#   earlier tree (if carried), a batch-1 profile with PDL off, decode attention at batch 1;
 # caps: gpu-7b and gpu-moe offline at no cap and at the default 512 (WORKLOADS);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
@@ -380,6 +380,9 @@ moe-b1)
     fi
     PAGEDLLM_PDL=0 timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 \
         --input-len 128 --json "$OUT/profile-moe-b1-nopdl.json" 2>&1 | grep -v "USDT\|Warning" | tail -30
+    # decode attention alone at batch 1 and 4, per key-split setting (9.5 us a layer above)
+    timeout "$(cap 120)" python3 benchmarks/attn_small_batch_bench.py --batch 1 4 --ctx 128 384 2048 \
+        --json "$OUT/attn-small-batch.json" 2>&1 | tail -14
     ;;
 caps)
     # What the cap on a step's prompt tokens beside decodes (512 by default on GPU) costs
