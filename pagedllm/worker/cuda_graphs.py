@@ -174,10 +174,14 @@ class DecodeGraphs(_StepGraphs):
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.long_logits: dict[int, torch.Tensor] = {}
         if long_variants:
+            # Into the first set's logits: each set keeps every size's output alive (a
+            # 152k vocabulary: some 0.7 GB over the sizes), and the two never run at once.
+            def forward_long(size: int) -> torch.Tensor:
+                return self.logits[size].copy_(forward(size, True))
+
             try:
                 self.long_graphs, self.long_logits = _capture(
-                    self.sizes, device, lambda size: forward(size, True), before,
-                    pool=self.graphs[self.sizes[0]].pool())
+                    self.sizes, device, forward_long, before, pool=self.graphs[self.sizes[0]].pool())
             except Exception:  # the first set serves every step; such batches run unsplit
                 logger.warning("decode graphs for a long context among short ones were not captured; "
                                "such steps replay the ordinary decode graphs", exc_info=True)
