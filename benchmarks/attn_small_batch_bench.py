@@ -18,6 +18,8 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import sys
 
 import torch
 
@@ -25,6 +27,9 @@ from pagedllm.attention import triton_backend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import TorchPagedAttention
 from pagedllm.attention.triton_backend import TritonPagedAttention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_decode import cuda_time  # noqa: E402
 
 DEV = "cuda"
 DTYPE = torch.bfloat16  # float32 in Triton's interpreter (its bfloat16 dots are wrong)
@@ -70,15 +75,7 @@ def layer_us(fn) -> float:
     with torch.cuda.graph(g):
         for _ in range(LAYERS):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (20 * LAYERS)
+    return cuda_time(g.replay, 20) * 1e3 / LAYERS
 
 
 def main() -> None:

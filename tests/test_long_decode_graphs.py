@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,18 +39,12 @@ def test_long_decode_rule():
 @pytest.mark.skipif(not INTERPRET or torch.cuda.is_available(), reason="the stand-in graphs run in Triton's "
                     "interpreter on the CPU (tests/test_flash_decoding.py runs this there)")
 def test_the_split_set_replays_for_a_long_context_among_short_ones_interpreted(tiny_models, monkeypatch):
+    # imported here: that module skips itself off the interpreter, and the rule test must not
+    from test_verify_graphs import _replayed_capture
+
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(metadata, "LONG_DECODE_KEYS", 128)
-
-    def replayed_capture(sizes, device, forward, before=None, pool=None):
-        graphs, outputs = {}, {}
-        for size in sizes:
-            outputs[size] = forward(size)
-            graphs[size] = SimpleNamespace(replay=lambda size=size: outputs[size].copy_(forward(size)),
-                                           pool=lambda: None)
-        return graphs, outputs
-
-    monkeypatch.setattr(cuda_graphs, "_capture", replayed_capture)
+    monkeypatch.setattr(cuda_graphs, "_capture", _replayed_capture)
     path, _ = tiny_models("llama")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
 

@@ -19,13 +19,14 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.worker import cuda_graphs
 
 
-def _replayed_capture(sizes, device, forward, before=None):
+def _replayed_capture(sizes, device, forward, before=None, pool=None):
     graphs, outputs = {}, {}
     for size in sizes:
         if before is not None:
             before(size)
         outputs[size] = forward(size)
-        graphs[size] = SimpleNamespace(replay=lambda size=size: outputs[size].copy_(forward(size)))
+        graphs[size] = SimpleNamespace(replay=lambda size=size: outputs[size].copy_(forward(size)),
+                                       pool=lambda: None)
     return graphs, outputs
 
 

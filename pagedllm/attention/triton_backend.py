@@ -427,6 +427,13 @@ def num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
+def _splits_keys_fill(splits: int, host_ctx_lens) -> int:
+    """An eager launch's split count: no more than its longest context fills splits of
+    SPLIT_MIN_KEYS (a captured launch cannot know, and keeps `splits`)."""
+    longest = int(host_ctx_lens.max(initial=1))
+    return max(1, min(splits, triton.cdiv(longest, SPLIT_MIN_KEYS)))
+
+
 def kv_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
     """Key splits per (sequence, KV head) of a decode launch (1: no split)."""
     want = triton.cdiv(KV_SPLIT_WAVES * num_sms(device), max(num_seqs * kv_heads, 1))
@@ -539,9 +546,8 @@ class TritonPagedAttention:
             splits = 1 if sliding_window is not None else kv_splits(meta.num_decode, hkv, q.device)
             if long:  # the rows kernel (one query per KV head) has no splits: this one has
                 splits = MAX_KV_SPLITS
-                if meta.host_ctx_len is not None:  # eager: no more than the keys fill
-                    longest = int(meta.host_ctx_len[: meta.num_decode].max())
-                    splits = max(1, min(splits, triton.cdiv(longest, SPLIT_MIN_KEYS)))
+                if meta.host_ctx_len is not None:
+                    splits = _splits_keys_fill(splits, meta.host_ctx_len[: meta.num_decode])
             cls._split_launch(args, (meta.q_start, meta.q_start), slopes, out, meta, common, launch,
                               meta.num_decode, hkv, splits, 1, block_m, True)
         if meta.num_prefill_tiles:
@@ -559,9 +565,8 @@ class TritonPagedAttention:
         splits = 1
         if not common["WINDOW"]:  # few tiles (a small chunk after a long prefix): split keys
             splits = kv_splits(meta.prefill_busy_tiles or meta.num_prefill_tiles, hkv, q.device)
-            if splits > 1 and meta.host_ctx_len is not None:  # eager: no more than the keys fill
-                longest = int(meta.host_ctx_len[meta.num_decode :].max(initial=1))
-                splits = max(1, min(splits, triton.cdiv(longest, SPLIT_MIN_KEYS)))
+            if splits > 1 and meta.host_ctx_len is not None:
+                splits = _splits_keys_fill(splits, meta.host_ctx_len[meta.num_decode :])
         cls._split_launch(args, (meta.prefill_tiles[0], meta.prefill_tiles[1]), slopes, out, meta, common,
                           cls.PREFILL_LAUNCH, meta.num_prefill_tiles, hkv, splits, tq,
                           max(16, _pow2(tq * (q.shape[1] // hkv))), False)

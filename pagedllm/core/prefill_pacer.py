@@ -29,9 +29,9 @@ GAIN_LIMITS). Under async scheduling (the default on CUDA) the step observed ran
 chunk asked one call earlier, and the steps' noise makes consecutive asks differ: the
 pacer matches the last two (matching the latest alone, it counted 29 steps of 409 on a
 simulated device with 3% noise, and on an H200 paced steps at ratio 2 still ran at 2.2x a
-decode step). The gain applies only
-where the fitted fixed part leaves room for it (fixed < budget); beyond that the steps
-overshoot whatever the chunk, and shrinking the chunks would only starve the prompt.
+decode step). The gain applies only where the fitted fixed part leaves room for it
+(fixed < budget); beyond that the steps overshoot whatever the chunk, and shrinking the
+chunks would only starve the prompt.
 
 Until a step of decodes alone has been timed there is no reference: the pacer then asks
 for a step without prompt tokens beside the decodes (chunk 0), and times it. Otherwise a
@@ -109,10 +109,14 @@ class PrefillPacer:
         # Half weight on the newest step: a long prompt's per-token cost keeps rising with
         # its context, and the chunk must follow it within a step or two.
         self.per_token_s = per if self.per_token_s is None else 0.5 * self.per_token_s + 0.5 * per
-        budget = (self.ratio - 1.0) * self.decode_s
+        budget = self._budget()
         if prompt in self._asked and self.fixed_s < budget:  # the step ran a chunk as sized
             err = (budget / max(added, 1e-9)) ** 0.5
             self.gain = min(GAIN_LIMITS[1], max(GAIN_LIMITS[0], self.gain * err))
+
+    def _budget(self) -> float:
+        """What a paced step may add to a decode step: (ratio - 1) x the decode step."""
+        return (self.ratio - 1.0) * self.decode_s
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed, per-token) seconds by least squares over the recent prompt steps, or
@@ -135,7 +139,7 @@ class PrefillPacer:
             self._asked.append(None)
             # nothing timed: a step of decodes alone first; no prompt step: the cap, to measure
             return 0 if self.decode_s is None else self.max_chunk
-        budget = (self.ratio - 1.0) * self.decode_s
+        budget = self._budget()
         room = max(budget - self.fixed_s, 0.5 * budget)
         if self.fixed_s < budget:
             room *= self.gain

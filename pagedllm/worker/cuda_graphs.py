@@ -185,7 +185,6 @@ class DecodeGraphs(_StepGraphs):
             except Exception:  # the first set serves every step; such batches run unsplit
                 logger.warning("decode graphs for a long context among short ones were not captured; "
                                "such steps replay the ordinary decode graphs", exc_info=True)
-                self.long_graphs, self.long_logits = {}, {}
         self.long_replays = 0  # steps the long set served (the tests check that some were)
         if lora is not None:
             lora.active = False
