@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -34,6 +34,8 @@
 # followup: the split-decode and mixed-graph GPU tests, gpu-moe batch 1 with / without splits;
 # moe-b1: the MoE GPU tests, gpu-moe batch 1 with / without key splits and on .baseline's
 #   earlier tree (if carried), a batch-1 profile with PDL off, decode attention at batch 1;
+# skinny: the few-row product against cuBLAS, gpu-moe batch 1 with and without the MoE sum
+#   kernel and on .baseline's tree, a batch-1 profile with PDL off;
 # caps: gpu-7b and gpu-moe offline at no cap and at the default 512 (WORKLOADS);
 # embed: benchmarks/embed_bench.py; models: gpu-oss-20b against HF (NUM_PROMPTS, default 64:
 # HF generate needs minutes a batch on this shape), gpu-dsv2-lite.
@@ -383,6 +385,25 @@ moe-b1)
     # decode attention alone at batch 1 and 4, per key-split setting (9.5 us a layer above)
     timeout "$(cap 120)" python3 benchmarks/attn_small_batch_bench.py --batch 1 4 --ctx 128 384 2048 \
         --json "$OUT/attn-small-batch.json" 2>&1 | tail -14
+    ;;
+skinny)
+    # Issue 33's batch 1: the few-row product, the k-row MoE sum and the short contexts'
+    # key splits: their tests, the product's table against cuBLAS (skinny_gemm_bench.py),
+    # then gpu-moe at batch 1 on this tree, without the sum kernel, and on .baseline's
+    # earlier tree (carry .baseline: the A/B of one card), then a batch-1 profile, PDL off.
+    timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_skinny_gemm.py \
+        tests/test_moe_sum_k.py tests/test_fused_moe.py -k "not interpreter" 2>&1 | tail -2
+    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
+        -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -2
+    timeout "$(cap 100)" python3 benchmarks/skinny_gemm_bench.py --rows ${SKINNY_ROWS:-1 4} \
+        --shapes ${SKINNY_SHAPES:-moe-qkv moe-o moe-router 7b-qkv 7b-down} \
+        --json "$OUT/skinny-gemm.json" 2>&1 | grep -v Warning | tail -12
+    moe_b1 PAGEDLLM_MOE_SUM_K_TOKENS sumk 64 0
+    if [[ -d .baseline/pagedllm ]]; then
+        PYTHONPATH=$PWD/.baseline:$PYTHONPATH moe_b1 PAGEDLLM_DECODE_KV_SPLITS baseline-splits 16
+    fi
+    PAGEDLLM_PDL=0 timeout "$(cap 120)" python3 benchmarks/profile_kernels.py --workload gpu-moe --num-prompts 1 \
+        --input-len 128 --json "$OUT/profile-moe-b1-nopdl.json" 2>&1 | grep -v "USDT\|Warning" | tail -16
     ;;
 caps)
     # What the cap on a step's prompt tokens beside decodes (512 by default on GPU) costs

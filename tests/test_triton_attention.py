@@ -309,7 +309,8 @@ def test_prefill_splits_follow_the_keys(monkeypatch):
         return grids[-1][2]
 
     assert prefill_splits([(20, 20)]) == 1  # 20 keys: one split holds them
-    assert prefill_splits([(20, 600)]) == 3  # 600 keys: three of 256
+    assert prefill_splits([(20, 600)]) == 4  # 600 keys: a short context's four (of 192)
+    assert prefill_splits([(20, 1100)]) == 5  # past 1,024 keys: one a 256
     assert prefill_splits([(20, 5000)]) == 8  # capped by MAX_KV_SPLITS
     assert prefill_splits([(20, 600)], sliding_window=64) == 1
     monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", 0)

@@ -122,11 +122,24 @@ def _tile_keys(ctx, qlen, q0, TILE_Q: tl.constexpr, CAUSAL: tl.constexpr):
     return keys
 
 
+# A short context (up to SHORT_SPLITS * SPLIT_MIN_KEYS / 2 keys) takes up to SHORT_SPLITS
+# splits of half the minimum: on an H200 at batch 1 (Qwen3-30B-A3B shape) 384 keys took
+# 10.1 us a layer in two splits of 256 and 8.1 in three of 128, while 2,048 keys were
+# fastest in eight of 256 (12.8 us, against 13.3 in sixteen of 128)
+# (benchmarks/results/2026-12-06-gpu-h200-attn-small-batch-*.json).
+SHORT_SPLITS = 4
+_SHORT_SPLITS: tl.constexpr = tl.constexpr(SHORT_SPLITS)
+
+
 @triton.jit
 def _split_keys(keys, KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
     """Keys each split of a tile's `keys` reads (a decode's are its context): whole key
-    blocks, at least SPLIT_MIN_KEYS. The attention kernel and the combine must agree on it."""
-    return tl.maximum(tl.cdiv(tl.cdiv(keys, KV_SPLITS), BLOCK_N) * BLOCK_N, SPLIT_MIN_KEYS)
+    blocks, over split_count(keys) splits. The attention kernel and the combine must agree
+    on it; the count never falls as keys grow, so a launch sized for its longest tile
+    (_splits_keys_fill) covers every shorter one."""
+    n = tl.maximum(tl.cdiv(keys, SPLIT_MIN_KEYS), tl.minimum(_SHORT_SPLITS, tl.cdiv(keys, SPLIT_MIN_KEYS // 2)))
+    n = tl.maximum(tl.minimum(n, KV_SPLITS), 1)
+    return tl.maximum(tl.cdiv(tl.cdiv(keys, n), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -411,8 +424,16 @@ MAX_KV_SPLITS = _env_splits()
 KV_SPLIT_WAVES = 2
 # Keys a split reads at least: a context shorter than MAX_KV_SPLITS of these uses fewer
 # splits (the rest return at once), and one within the first is written by split 0 with no
-# combine, so short decodes cost the split launch almost nothing.
-SPLIT_MIN_KEYS = 256
+# combine, so short decodes cost the split launch almost nothing. PAGEDLLM_SPLIT_MIN_KEYS
+# sets another (a multiple of 64, the decode key block; benchmarks A/B it).
+def _env_min_keys() -> int:
+    raw = os.environ.get("PAGEDLLM_SPLIT_MIN_KEYS", "256")
+    if not raw.strip().isdigit() or int(raw) < 64 or int(raw) % 64:
+        raise ValueError(f"PAGEDLLM_SPLIT_MIN_KEYS={raw!r}: expected a multiple of 64")
+    return int(raw)
+
+
+SPLIT_MIN_KEYS = _env_min_keys()
 _SMS: dict[torch.device, int] = {}
 
 
@@ -427,11 +448,17 @@ def num_sms(device: torch.device) -> int:
     return _SMS[device]
 
 
+def split_count(keys: int, splits: int) -> int:
+    """How many of `splits` the kernels' _split_keys gives `keys` keys: one per
+    SPLIT_MIN_KEYS, or up to SHORT_SPLITS of half that for a short context."""
+    n = max(-(-keys // SPLIT_MIN_KEYS), min(SHORT_SPLITS, -(-keys // (SPLIT_MIN_KEYS // 2))))
+    return max(1, min(n, splits))
+
+
 def _splits_keys_fill(splits: int, host_ctx_lens) -> int:
-    """An eager launch's split count: no more than its longest context fills splits of
-    SPLIT_MIN_KEYS (a captured launch cannot know, and keeps `splits`)."""
-    longest = int(host_ctx_lens.max(initial=1))
-    return max(1, min(splits, triton.cdiv(longest, SPLIT_MIN_KEYS)))
+    """An eager launch's split count: what its longest context uses (a captured launch
+    cannot know, and keeps `splits`)."""
+    return split_count(int(host_ctx_lens.max(initial=1)), splits)
 
 
 def kv_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:

@@ -20,7 +20,8 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    projection (plus its bias, for gpt-oss), every row scaled by its routing weight.
    gpt-oss's MXFP4 experts can stay packed (MXFP4, a third switch): each K tile of a weight
    is read as bytes and exponents and dequantized in registers before its dot product.
-4. The k rows of a token are summed (a [T, k, H] reduction).
+4. The k rows of a token are summed (a [T, k, H] reduction; `sum_k`, a kernel of its own
+   for decode-sized steps).
 
    At batch 1 these are small launches among some 600 a step. Two ways of saving
    some were measured on an H200 (gpu-moe, batch 1) and dropped: one kernel for the down
@@ -50,6 +51,8 @@ try:
     import triton
     import triton.language as tl
 
+    from pagedllm import pdl
+    from pagedllm.pdl import launch_dependents, wait
     from pagedllm.triton_dot import dot
 except ImportError:  # CPU-only installs: callers check `available()`
     triton = None
@@ -322,6 +325,22 @@ if triton is not None:
         _align_body(Ids, SortedIds, BlockExpert, Used, Scratch, T * K, E, CAP, BM, PB, EB, NB)
 
     @triton.jit
+    def _sum_k_kernel(Rows, Out, H, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+        """Out[t] = the sum of Rows[t, 0..K) in float32, BLOCK columns a program."""
+        if PDL:  # placed early (pagedllm.pdl): wait for the down projection, let the next be placed
+            tok = wait()
+            Rows += tok
+            Out += tok
+            launch_dependents()
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        j = tl.arange(0, KB)
+        mask = (j < K)[:, None] & (c < H)[None, :]
+        x = tl.load(Rows + (t * K + j)[:, None] * H + c[None, :], mask=mask, other=0.0)
+        tl.store(Out + t * H + c, tl.sum(x.to(tl.float32), 0).to(Out.dtype.element_ty), mask=c < H)
+
+    @triton.jit
     def _route_kernel(Logits, Weights, Ids, E, stride, K: tl.constexpr, EB: tl.constexpr,
                       RENORM: tl.constexpr):
         """Softmax over one token's router logits in float32, its top K, and (RENORM) the
@@ -419,6 +438,25 @@ def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: in
 INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 
+# Up to this many tokens the k rows are summed by _sum_k_kernel (on an H200 at batch 1,
+# torch's reduction over the middle dimension took 4.8 us a layer); more go to torch.
+SUM_K_TOKENS = int(os.environ.get("PAGEDLLM_MOE_SUM_K_TOKENS", "64"))
+
+
+def sum_k(rows: torch.Tensor) -> torch.Tensor:
+    """rows [T, k, H] (contiguous) summed over k, in float32 with one rounding as torch's sum."""
+    tokens, top_k, hidden = rows.shape
+    kernel = rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if tokens > SUM_K_TOKENS or not rows.is_contiguous() or triton is None or not kernel:
+        return rows.sum(1)
+    out = torch.empty((tokens, hidden), dtype=rows.dtype, device=rows.device)
+    block = min(256, _pow2(hidden))
+    _sum_k_kernel[(tokens, triton.cdiv(hidden, block))](
+        rows, out, hidden, K=top_k, KB=_pow2(top_k), BLOCK=block, num_warps=4,
+        **(pdl.kernel_options(rows) if rows.is_cuda else {"PDL": False}))
+    return out
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, config: dict | None = None, invariant: bool = False,
                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -469,7 +507,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         *out.stride(), IEEE=ieee, BIAS=b2 is not None, MXFP4=mxfp4, BM=bm, BN=bn, BK=bk, **launch)
     rows = out.view(tokens, top_k, hidden)
     if not invariant:
-        return rows.sum(1)
+        return sum_k(rows)
     total = rows[:, 0]
     for j in range(1, top_k):  # in order: a reduction kernel's split depends on the size
         total = total + rows[:, j]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagedllm import batch_invariant
+from pagedllm.model_executor.layers import skinny_gemm
 from pagedllm.model_executor.layers.sharding import check_shape, copy_block, read_block
 
 if TYPE_CHECKING:
@@ -121,6 +122,9 @@ class DenseMethod(WeightMethod):
         self._loaded = set(layer.layout.shards)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # a decode step of a few rows: one latency-minded pass over the weight (skinny_gemm)
+        if not batch_invariant.is_enabled() and skinny_gemm.applies(x, layer.weight):
+            return skinny_gemm.skinny_linear(x, layer.weight, bias)
         return batch_invariant.linear(x, layer.weight, bias)
 
     def dequantized_weight(self, layer: LinearBase, dtype: torch.dtype | None = None) -> torch.Tensor:

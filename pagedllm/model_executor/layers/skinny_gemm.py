@@ -1,0 +1,118 @@
+"""x @ W.T for a decode step of one row (CUDA): one pass over the weight, made for latency.
+
+At batch 1 a dense layer's product is a matrix-vector product: its time is reading the
+weight once. cuBLAS picks a tile of 64 output rows x 8 tokens for it, and on an H200 the
+Qwen3-30B-A3B step's qkv (21 MB) took 7.8 us, o_proj (17 MB) 8.9 us with its split-K
+reduction and the 128-expert router (0.5 MB) 5.0 us: 55% of the card's bandwidth for the
+first two and latency for the router (benchmarks/results/...-profile-moe-b1-nopdl-*.json).
+Those three are a quarter of that step.
+
+This kernel gives each program a few output rows (BN) and walks K with them in tiles of
+up to 1,024, multiplying element-wise into float32 and summing each tile (no tensor
+cores: at one row the product is memory, not arithmetic). The next tile is loaded before
+the current one is summed, and the first before the PDL wait (pagedllm.pdl): weights are
+the one thing the step never writes, so their first bytes arrive while the kernel before
+still runs. Measured on an H200 inside a CUDA graph
+(benchmarks/results/2026-12-06-gpu-h200-skinny-gemm-*.json), one row: o_proj 6.6 us
+against cuBLAS's 8.6, the router 1.6 against 5.0, qkv and Llama-2-7B's layers within a few
+percent of cuBLAS either way. At four rows the element-wise products cost more than the
+read (qkv 17.5 us against 7.6), except for small weights (the router, 2.3 against 4.8).
+
+So DenseMethod takes it for CUDA bf16/fp16 inputs of one row, or of up to MAX_ROWS
+(PAGEDLLM_SKINNY_MAX_ROWS; 0 turns the kernel off) for weights of at most SMALL_WEIGHT
+values, outside the batch-invariant mode (whose products have fixed tiles of their own).
+A row's result does not depend on the other rows."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm import pdl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never launch it
+    triton = None
+
+DEFAULT_MAX_ROWS = 4
+SMALL_WEIGHT = 1 << 20  # values (the 128-expert router's 2048 x 128 is a quarter of it)
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def max_rows() -> int:
+    return int(os.environ.get("PAGEDLLM_SKINNY_MAX_ROWS", DEFAULT_MAX_ROWS))
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear` takes this product: a CUDA input in the weight's 16-bit
+    dtype of one row (or up to max_rows() for a small weight), unit stride along K on both
+    sides, K and the weight's row stride multiples of 8 (16-byte rows)."""
+    if triton is None or not x.is_cuda or x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        return False
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    limit = max_rows()
+    if limit < 1 or rows < 1 or (rows > 1 and (rows > limit or weight.numel() > SMALL_WEIGHT)):
+        return False
+    return (weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1 and k % 8 == 0
+            and weight.stride(0) % 8 == 0)
+
+
+def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(MB, BN, BK, num_warps): MB rows padded to a power of two; BK up to 1,024 keys a
+    tile; BN output rows a program, 4 for wide layers and 2 below 5,120 outputs at one row,
+    fewer at more rows (the fastest settings of the H200 sweep); 4 warps."""
+    mb = 1 << max(0, (m - 1).bit_length())
+    bk = min(1024, 1 << max(6, (k - 1).bit_length()))
+    bn = max(1, (4 if n >= 5120 else 2) // mb)
+    return mb, bn, bk, 4
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for x [..., K] of few rows, weight [N, K]; `config` overrides
+    launch_config (benchmarks)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mb, bn, bk, warps = config or launch_config(m, n, k)
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
+        MB=mb, BN=bn, BK=bk, BIAS=bias is not None, num_warps=warps,
+        **(pdl.kernel_options(x) if x.is_cuda else {"PDL": False}))
+    return y.view(*lead, n)
+
+
+if triton is not None:
+    from pagedllm.pdl import launch_dependents, wait
+
+    @triton.jit
+    def _skinny_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, MB: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        rm = tl.arange(0, MB)
+        nin = rn < N
+        w_ptr = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
+        w = tl.load(w_ptr, mask=nin[:, None] & (rk < K)[None, :], other=0.0)  # before the wait
+        if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
+            tok = wait()
+            X += tok
+            Y += tok
+            launch_dependents()
+        x_ptr = X + rm[:, None] * sxm + rk[None, :]
+        acc = tl.zeros((MB, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kin = rk + k0 < K
+            a = tl.load(x_ptr + k0, mask=(rm < M)[:, None] & kin[None, :], other=0.0)
+            w_next = tl.load(w_ptr + (k0 + BK), mask=nin[:, None] & (rk + (k0 + BK) < K)[None, :], other=0.0)
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            w = w_next
+        if BIAS:
+            acc += tl.load(B + rn, mask=nin, other=0.0).to(tl.float32)[None, :]
+        y_ptr = Y + rm[:, None] * sym + rn[None, :]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rm < M)[:, None] & nin[None, :])

@@ -1,0 +1,124 @@
+"""The few-row product (layers/skinny_gemm.py) against torch's, and where the engine uses it.
+
+The kernel tests run on CUDA, or on the CPU in Triton's interpreter (a fresh process,
+test_the_kernel_in_the_interpreter): float32 inputs there, since the interpreter's bfloat16
+rounding is not the card's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+from pagedllm.model_executor.layers import skinny_gemm
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if INTERPRETED:
+        return "cpu"
+    pytest.skip("needs CUDA or Triton's interpreter")
+
+
+# (m, n, k, config): N not a multiple of BN, K not a multiple of BK, one and several key tiles
+CASES = [
+    (1, 37, 200, (1, 8, 64, 4)),
+    (2, 5, 72, (2, 4, 64, 4)),
+    (3, 130, 136, (4, 16, 128, 4)),
+    (4, 64, 512, (4, 2, 1024, 4)),
+    (1, 3, 8, (1, 1, 64, 4)),
+    (4, 96, 256, None),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,config", CASES)
+def test_kernel_matches_torch(m, n, k, config, bias):
+    pytest.importorskip("triton")
+    dev = _device()
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dev, dtype)
+    w = torch.randn(n, k, generator=g).to(dev, dtype)
+    b = torch.randn(n, generator=g).to(dev, dtype) if bias else None
+    y = skinny_gemm.skinny_linear(x, w, b, config=config)
+    ref = x.float() @ w.float().T + (b.float() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * k ** 0.5)
+
+
+def test_a_row_does_not_depend_on_the_others():
+    """Batch 1 and the same row inside a batch of 3 give the same bits (the launch's MB
+    differs, the sum's order does not)."""
+    pytest.importorskip("triton")
+    dev = _device()
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 256, generator=g).to(dev, dtype)
+    w = torch.randn(48, 256, generator=g).to(dev, dtype)
+    one = skinny_gemm.skinny_linear(x[1:2], w, config=(1, 4, 64, 4))
+    three = skinny_gemm.skinny_linear(x, w, config=(4, 4, 64, 4))
+    assert torch.equal(one[0], three[1])
+
+
+def test_the_kernel_in_the_interpreter():
+    pytest.importorskip("triton")
+    res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_skinny_gemm.py",
+                           "-k", "kernel_matches or does_not_depend"], 600)
+    assert res.returncode == 0 and "13 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def test_launch_config_follows_the_sweep():
+    pytest.importorskip("triton")
+    # one row: 4 output rows a program for wide layers, 2 below 5,120; key tiles of 1,024
+    assert skinny_gemm.launch_config(1, 5120, 2048) == (1, 4, 1024, 4)
+    assert skinny_gemm.launch_config(1, 2048, 4096) == (1, 2, 1024, 4)
+    assert skinny_gemm.launch_config(1, 128, 2048) == (1, 2, 1024, 4)
+    assert skinny_gemm.launch_config(4, 128, 2048) == (4, 1, 1024, 4)  # the router at 4 rows
+    assert skinny_gemm.launch_config(3, 128, 40)[:3] == (4, 1, 64)  # no key tile past what K needs
+
+
+def test_which_products_it_takes(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("PAGEDLLM_SKINNY_MAX_ROWS", raising=False)
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    assert not skinny_gemm.applies(torch.zeros(1, 64, dtype=torch.bfloat16), w)  # CPU: torch's
+    if not torch.cuda.is_available():
+        return
+    w = w.cuda()
+    x = torch.zeros(skinny_gemm.DEFAULT_MAX_ROWS, 64, dtype=torch.bfloat16, device="cuda")
+    assert skinny_gemm.applies(x[:1], w) and skinny_gemm.applies(x, w)  # a small weight: up to 4 rows
+    assert not skinny_gemm.applies(torch.zeros(skinny_gemm.DEFAULT_MAX_ROWS + 1, 64, dtype=torch.bfloat16,
+                                               device="cuda"), w)
+    big = torch.zeros(2048, 1024, dtype=torch.bfloat16, device="cuda")  # past SMALL_WEIGHT
+    xb = torch.zeros(2, 1024, dtype=torch.bfloat16, device="cuda")
+    assert skinny_gemm.applies(xb[:1], big) and not skinny_gemm.applies(xb, big)
+    assert not skinny_gemm.applies(x.float(), w.float())
+    odd = torch.zeros(16, 60, dtype=torch.bfloat16, device="cuda")
+    assert not skinny_gemm.applies(x[:1, :60], odd)  # K not a multiple of 8
+    monkeypatch.setenv("PAGEDLLM_SKINNY_MAX_ROWS", "0")
+    assert not skinny_gemm.applies(x[:1], w)
+
+
+@pytest.mark.gpu
+def test_dense_layers_take_it_at_decode_and_match_cublas():
+    """A linear layer at one row goes through the kernel (bf16, CUDA) and agrees with
+    F.linear; at 64 rows it is F.linear's own result."""
+    from pagedllm.model_executor.layers.linear import ReplicatedLinear
+
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(2048, 5120, bias=True).to("cuda", torch.bfloat16)
+    layer.weight.data.normal_(0, 0.02)
+    layer.bias.data.normal_(0, 0.02)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    assert skinny_gemm.applies(x, layer.weight)
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    torch.testing.assert_close(layer(x).float(), ref, rtol=2e-2, atol=2e-2)
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
