@@ -132,7 +132,7 @@ _SHORT_SPLITS: tl.constexpr = tl.constexpr(SHORT_SPLITS)
 
 
 @triton.jit
-def _split_keys(keys, KV_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
+def _split_keys(keys, KV_SPLITS, BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr):
     """Keys each split of a tile's `keys` reads (a decode's are its context): whole key
     blocks, over split_count(keys) splits. The attention kernel and the combine must agree
     on it; the count never falls as keys grow, so a launch sized for its longest tile
@@ -147,13 +147,13 @@ def _paged_attention_kernel(
     Q, KC, VC, Out, block_tables, q_starts, q_lens, ctx_lens, tile_seq, tile_q, Slopes, Sinks,
     Part, PartML, scale_log2, v_scale, window, softcap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_cb, stride_cs, stride_ch, stride_bt, KV_SPLITS,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, ALIBI: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True, FP8_F16: tl.constexpr = False,
-    KV_SPLITS: tl.constexpr = 1, SPLIT_MIN_KEYS: tl.constexpr = 256,
+    KEY_SPLITS: tl.constexpr = False, SPLIT_MIN_KEYS: tl.constexpr = 256,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -186,7 +186,7 @@ def _paged_attention_kernel(
     keys = kv_end  # the tile's (kv_end is narrowed to a split's below)
     split = 0
     chunk = kv_end
-    if KV_SPLITS > 1:  # split keys (flash-decoding; for prefill tiles too): this program's
+    if KEY_SPLITS:  # split keys (flash-decoding; for prefill tiles too): this program's
         # key range is [split * chunk, (split + 1) * chunk) of the tile's keys, whole key
         # blocks and at least SPLIT_MIN_KEYS each, so a short context leaves the later
         # splits idle (they return at once)
@@ -215,7 +215,7 @@ def _paged_attention_kernel(
     if SINKS:  # the sink's score (log2 domain), weight exp2(0) = 1, value zero (one split's)
         m_i = tl.load(Sinks + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        if KV_SPLITS > 1:
+        if KEY_SPLITS:
             m_i = tl.where(split == 0, m_i, -1.0e30)
             l_i = tl.where(split == 0, l_i, 0.0)
     else:
@@ -235,7 +235,7 @@ def _paged_attention_kernel(
             full_end = tl.maximum((ctx - qlen + q0 + 1) // BLOCK_N * BLOCK_N, kv_start)
         else:
             full_end = kv_end // BLOCK_N * BLOCK_N
-    if KV_SPLITS > 1:  # keys [lo, hi) of the tile's (a decode's kv_end is its ctx)
+    if KEY_SPLITS:  # keys [lo, hi) of the tile's (a decode's kv_end is its ctx)
         lo = split * chunk
         kv_end = tl.minimum(lo + chunk, kv_end)
         kv_start = tl.maximum(kv_start, lo)
@@ -250,7 +250,7 @@ def _paged_attention_kernel(
             q, acc, m_i, l_i, start, KC, VC, table, kv_end, qpos, row_ok, slope, d, d_ok,
             scale_log2, softcap_log2, window, kvh, stride_cb, stride_cs, stride_ch,
             PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, True)
-    if KV_SPLITS > 1:
+    if KEY_SPLITS:
         if chunk < keys:  # the split's unnormalised sums, for _combine_splits_kernel
             part = (tile * tl.num_programs(1) + kvh) * KV_SPLITS + split
             tl.store(Part + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], acc)
@@ -270,7 +270,7 @@ def _paged_attention_kernel(
 def _combine_splits_kernel(Part, PartML, Out, q_starts, q_lens, ctx_lens, tile_seq, tile_q, v_scale,
                            stride_ot, stride_oh, GROUP: tl.constexpr, TILE_Q: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                           KV_SPLITS: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+                           KV_SPLITS, FP8: tl.constexpr, PDL: tl.constexpr,
                            BLOCK_N: tl.constexpr, SPLIT_MIN_KEYS: tl.constexpr, DIRECT: tl.constexpr,
                            CAUSAL: tl.constexpr = True):
     """A tile's output (a decode's, or a prefill tile's) from the partial softmaxes of the
@@ -530,7 +530,7 @@ class TritonPagedAttention:
             WINDOW=sliding_window is not None,
             stride_qt=q.stride(0), stride_qh=q.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
             stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-            stride_bt=meta.block_tables.stride(0),
+            stride_bt=meta.block_tables.stride(0), KV_SPLITS=1,  # _split_launch sets its count
             GROUP=hq // k_cache.shape[2], HEAD_DIM=dim, BLOCK_D=_pow2(dim), PAGE=k_cache.shape[1],
             ALIBI=alibi_slopes is not None, IEEE=q.dtype == torch.float32,
             Sinks=q if sinks is None else sinks, SINKS=sinks is not None,  # any pointer when unused
@@ -605,13 +605,17 @@ class TritonPagedAttention:
         """The attention kernel over `units` tiles (decodes when `direct`) x KV heads, each
         tile's keys split over `splits` programs; with more than one, the partial sums go to
         scratch buffers and _combine_splits_kernel writes the tiles' outputs."""
+        # The count is a runtime argument (KEY_SPLITS the compile-time switch): as a
+        # constexpr every new count compiled the kernel and the combine again, and paced
+        # prompt chunks of varying sizes give varying counts mid-serving.
+        common = dict(common, KV_SPLITS=splits)
         if splits > 1:
             n = units * hkv * splits
             common = dict(common,
                           Part=torch.empty(n * block_m * common["BLOCK_D"], dtype=torch.float32, device=out.device),
                           PartML=torch.empty(n * 2 * block_m, dtype=torch.float32, device=out.device))
         _paged_attention_kernel[(units, hkv, splits)](
-            *args, *tiles, slopes, TILE_Q=tile_q, BLOCK_M=block_m, DIRECT=direct, KV_SPLITS=splits,
+            *args, *tiles, slopes, TILE_Q=tile_q, BLOCK_M=block_m, DIRECT=direct, KEY_SPLITS=splits > 1,
             SPLIT_MIN_KEYS=SPLIT_MIN_KEYS, **common, **launch)
         if splits > 1:
             _combine_splits_kernel[(units, hkv)](
