@@ -1,5 +1,6 @@
-"""fused_moe.sum_k, the k expert rows of a token summed by a kernel of its own, against
-torch's sum (on CUDA, or in Triton's interpreter from a fresh process)."""
+"""fused_moe.sum_k, the k expert rows of a token summed by a kernel of its own (off in the
+engine until measured: PAGEDLLM_MOE_SUM_K_TOKENS), against torch's sum (on CUDA, or in
+Triton's interpreter from a fresh process)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ def test_sum_k_matches_torch(tokens, k, hidden):
         pytest.skip("needs CUDA or Triton's interpreter")
     g = torch.Generator().manual_seed(tokens * 100 + k)
     rows = torch.randn(tokens, k, hidden, generator=g).to(dev, dtype)
-    out = fused_moe.sum_k(rows)
+    out = fused_moe.sum_k(rows, max_tokens=64)
     ref = rows.float().sum(1)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
-    many = torch.randn(fused_moe.SUM_K_TOKENS + 1, k, hidden, generator=g).to(dev, dtype)
-    torch.testing.assert_close(fused_moe.sum_k(many), many.sum(1))  # past the kernel's tokens: torch's
+    many = torch.randn(65, k, hidden, generator=g).to(dev, dtype)
+    torch.testing.assert_close(fused_moe.sum_k(many, max_tokens=64), many.sum(1))  # past the kernel's: torch's
 
 
 def test_sum_k_in_the_interpreter():

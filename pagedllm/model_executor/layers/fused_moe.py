@@ -20,8 +20,8 @@ A step's T tokens each chose k experts: T*k (token, expert) pairs.
    projection (plus its bias, for gpt-oss), every row scaled by its routing weight.
    gpt-oss's MXFP4 experts can stay packed (MXFP4, a third switch): each K tile of a weight
    is read as bytes and exponents and dequantized in registers before its dot product.
-4. The k rows of a token are summed (a [T, k, H] reduction; `sum_k`, a kernel of its own
-   for decode-sized steps).
+4. The k rows of a token are summed (a [T, k, H] reduction; `sum_k`, which has a kernel of
+   its own for decode-sized steps, off until measured).
 
    At batch 1 these are small launches among some 600 a step. Two ways of saving
    some were measured on an H200 (gpu-moe, batch 1) and dropped: one kernel for the down
@@ -438,16 +438,21 @@ def route_align(logits: torch.Tensor, top_k: int, renormalise: bool, block_m: in
 INVARIANT_CONFIG = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 
-# Up to this many tokens the k rows are summed by _sum_k_kernel (on an H200 at batch 1,
-# torch's reduction over the middle dimension took 4.8 us a layer); more go to torch.
-SUM_K_TOKENS = int(os.environ.get("PAGEDLLM_MOE_SUM_K_TOKENS", "64"))
+# Up to this many tokens the k rows may be summed by _sum_k_kernel instead of torch (on an
+# H200 at batch 1 torch's reduction over the middle dimension took 4.8 us a layer). Off (0)
+# until a GPU run shows it faster: PAGEDLLM_MOE_SUM_K_TOKENS=64 turns it on for steps of up
+# to 64 tokens (gpu_run.sh skinny measures both).
+SUM_K_TOKENS = int(os.environ.get("PAGEDLLM_MOE_SUM_K_TOKENS", "0"))
 
 
-def sum_k(rows: torch.Tensor) -> torch.Tensor:
-    """rows [T, k, H] (contiguous) summed over k, in float32 with one rounding as torch's sum."""
+def sum_k(rows: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
+    """rows [T, k, H] summed over k, in float32 with one rounding as torch's sum: by the
+    kernel for up to `max_tokens` tokens (default SUM_K_TOKENS) of contiguous rows on CUDA
+    (or in Triton's interpreter), by torch otherwise."""
     tokens, top_k, hidden = rows.shape
+    limit = SUM_K_TOKENS if max_tokens is None else max_tokens
     kernel = rows.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if tokens > SUM_K_TOKENS or not rows.is_contiguous() or triton is None or not kernel:
+    if tokens > limit or not rows.is_contiguous() or triton is None or not kernel:
         return rows.sum(1)
     out = torch.empty((tokens, hidden), dtype=rows.dtype, device=rows.device)
     block = min(256, _pow2(hidden))
