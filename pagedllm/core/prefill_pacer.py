@@ -33,6 +33,22 @@ decode step). The gain applies only where the fitted fixed part leaves room for 
 (fixed < budget); beyond that the steps overshoot whatever the chunk, and shrinking the
 chunks would only starve the prompt.
 
+On CUDA the steps that carry a prompt chunk replay mixed-step graphs, which pad the chunk
+to the next of a few sizes (128, 256 and 512 rows under a cap of 512): a step's cost is a
+step function of its chunk. On an H200 at ratio 1.5 the line and the gain then chased each
+other around it: the gain climbed while chunks inside the 128 bucket cost almost nothing,
+the chunk jumped into the 512 bucket (2.2x a decode step), the gain fell, and again; 1% of
+the paced steps ran past 2.29x and the streams' p99 gap was 2.04x their median
+(benchmarks/results/...-pacer-mixed-ratio1.5-a514b09.jsonl). Given the buckets (`buckets`:
+the engine core passes the worker's graph sizes), the pacer keeps what a step of each
+bucket added (a moving average, bucket_s) and asks for the largest bucket whose cost fits
+the budget, whole, since part of a bucket costs the same; the smallest where none fits. A
+bucket not yet timed is tried once the one below fits (unless the fitted line already puts
+it past the budget), and the figures of buckets not in use drift down (BUCKET_DECAY) so
+that one found too dear is tried again a few hundred steps later, when a new prompt with
+little context may afford it. On the simulated H200 above, 99% of the paced steps stay
+within 1.7x where the line ran past 2x; not yet measured on a GPU.
+
 Until a step of decodes alone has been timed there is no reference: the pacer then asks
 for a step without prompt tokens beside the decodes (chunk 0), and times it. Otherwise a
 burst of arrivals, each admitted beside the streams already decoding, would never leave a
@@ -58,10 +74,15 @@ FIT_WINDOW = 4
 FIT_SPREAD = 1.5
 # How far the feedback may scale the budget a chunk is sized to (see above).
 GAIN_LIMITS = (0.25, 2.0)
+# Graph buckets: each observed prompt step, the other buckets' costs shrink by this much,
+# so that one found too dear is tried again some 100 to 200 steps later (a new prompt,
+# with little context yet, may afford it again).
+BUCKET_DECAY = 0.995
 
 
 class PrefillPacer:
-    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16, trace: TextIO | None = None):
+    def __init__(self, ratio: float, max_chunk: int, min_chunk: int = 16, trace: TextIO | None = None,
+                 buckets: list[int] | None = None):
         if not ratio > 1.0:
             raise ValueError(f"the prefill step ratio must be > 1, got {ratio!r}")
         self.ratio = ratio
@@ -77,6 +98,11 @@ class PrefillPacer:
         # the step observed ran the chunk asked one call of chunk() earlier.
         self._asked: deque[int | None] = deque([None, None], maxlen=2)
         self.trace = trace
+        # The prompt rows of the mixed-step CUDA graphs (worker/cuda_graphs.py): a step's
+        # prompt tokens are padded up to the next of these, so its cost is a step function
+        # of the chunk. With them the pacer sizes chunks to whole buckets (bucket_s).
+        self.buckets = sorted({b for b in (buckets or []) if 0 < b <= self.max_chunk})
+        self.bucket_s: dict[int, float] = {}  # seconds a step in that bucket added (moving average)
 
     def observe(self, seconds: float, chunks: list[tuple[int, bool]]) -> None:
         """A finished step: its duration and its chunks as (tokens, reads the prompt).
@@ -91,7 +117,9 @@ class PrefillPacer:
                 self.trace.write(json.dumps({
                     "seconds": round(seconds, 6), "prompt": prompt, "asked": list(self._asked),
                     "decode_s": self.decode_s, "fixed_s": self.fixed_s, "per_token_s": self.per_token_s,
-                    "gain": round(self.gain, 4)}) + "\n")
+                    "gain": round(self.gain, 4),
+                    **({"bucket_s": {str(b): round(t, 6) for b, t in self.bucket_s.items()}}
+                       if self.buckets else {})}) + "\n")
 
     def _observe(self, seconds: float, prompt: int) -> None:
         if prompt == 0:
@@ -109,6 +137,15 @@ class PrefillPacer:
         # Half weight on the newest step: a long prompt's per-token cost keeps rising with
         # its context, and the chunk must follow it within a step or two.
         self.per_token_s = per if self.per_token_s is None else 0.5 * self.per_token_s + 0.5 * per
+        if self.buckets:  # the step's bucket: its own cost; the others drift down (BUCKET_DECAY)
+            b = next((b for b in self.buckets if prompt <= b), None)
+            for k in self.bucket_s:
+                if k != b:
+                    self.bucket_s[k] *= BUCKET_DECAY
+            if b is not None:
+                old = self.bucket_s.get(b)
+                self.bucket_s[b] = added if old is None else 0.5 * old + 0.5 * added
+            return
         budget = self._budget()
         if prompt in self._asked and self.fixed_s < budget:  # the step ran a chunk as sized
             err = (budget / max(added, 1e-9)) ** 0.5
@@ -135,6 +172,8 @@ class PrefillPacer:
     def chunk(self) -> int:
         """Prompt tokens for the next step beside decodes; 0 before a step of decodes alone
         has been timed (so that the next one is such a step)."""
+        if self.buckets and self.decode_s is not None:
+            return self._bucket_chunk()
         if self.decode_s is None or not self.per_token_s:
             self._asked.append(None)
             # nothing timed: a step of decodes alone first; no prompt step: the cap, to measure
@@ -146,3 +185,22 @@ class PrefillPacer:
         n = int(room / self.per_token_s)
         self._asked.append(n if self.min_chunk <= n <= self.max_chunk else None)
         return max(self.min_chunk, min(self.max_chunk, n))
+
+    def _bucket_chunk(self) -> int:
+        """The largest graph bucket whose cost fits the budget, whole (a chunk costs what
+        its bucket costs, so a part of one buys nothing); the smallest where none does
+        (any step with a prompt costs that much). A bucket never timed is tried once the
+        one below it fits, unless the fitted line already puts it past the budget."""
+        budget = self._budget()
+        pick = self.buckets[0]
+        for b in self.buckets:
+            est = self.bucket_s.get(b)
+            if est is None and self.per_token_s and self.fixed_s + self.per_token_s * b > budget:
+                break  # never timed, and the line says too dear
+            if est is not None and est > budget:
+                break
+            pick = b
+            if est is None:
+                break  # try it before anything larger
+        self._asked.append(pick)
+        return pick

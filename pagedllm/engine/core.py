@@ -30,9 +30,20 @@ from pagedllm.model_source import ModelSource, resolve_source
 from pagedllm.structured_output import SequenceGrammars, compiler_for
 from pagedllm.structured_output import compiler as grammar_compiler
 from pagedllm.tokenizers import load_tokenizer
+from pagedllm.worker.cuda_graphs import mixed_graph_chunks
 
 logger = logging.getLogger(__name__)
 
+
+
+def _mixed_graph_buckets(config: EngineConfig) -> list[int]:
+    """The prompt rows the worker's mixed-step CUDA graphs pad a chunk to (the pacer sizes
+    chunks to them), where the worker captures such graphs: CUDA, graphs on, no LoRA. (A
+    model whose prefills cannot replay from graphs, multi-head latent attention, runs those
+    steps eagerly; its chunks are then whole buckets all the same.)"""
+    if not str(config.device or "").startswith("cuda") or config.enforce_eager or config.enable_lora:
+        return []
+    return mixed_graph_chunks(config.max_prefill_tokens_with_decodes)
 
 class StepError(RuntimeError):
     """The model step raised. Its sequences (`request_ids`) cannot go on; nothing else was
@@ -114,7 +125,8 @@ class EngineCore:
             trace = os.environ.get("PAGEDLLM_PACER_TRACE")  # a JSON line a step (prefill_pacer.py)
             self._pacer = PrefillPacer(config.prefill_step_ratio,
                                        config.max_prefill_tokens_with_decodes or config.max_num_batched_tokens,
-                                       trace=open(trace, "a", buffering=1) if trace else None)
+                                       trace=open(trace, "a", buffering=1) if trace else None,
+                                       buckets=_mixed_graph_buckets(config))
             self.scheduler.prefill_chunk_hint = self._pacer.chunk()
         self._launched: dict[int, float] = {}  # id(SchedulerOutput) -> when it was launched
         self._last_done: float | None = None  # when the last step's results were read
