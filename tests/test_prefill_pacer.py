@@ -36,12 +36,14 @@ def device_seconds(chunks, fixed: float = 0.0, pad: int = 1) -> float:
 
 
 def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0,
-                     pad: int = 1, lag: bool = False, jitter: float = 0.0) -> list[tuple[int, float]]:
+                     pad: int = 1, lag: bool = False, jitter: float = 0.0,
+                     device=None) -> list[tuple[int, float]]:
     """64 streams decode, then a 32k prompt arrives: (chunk, step seconds) per step until
     its first token, with the pacer (if any) timing every step. `lag`: as under async
     scheduling, a step is scheduled before the one before it has been observed, so it
     runs the chunk the pacer asked for a step earlier. `jitter`: each step's time is off by
-    up to that fraction either way (a real device's noise)."""
+    up to that fraction either way (a real device's noise). `device`: the step's seconds
+    from its chunks, in place of device_seconds(chunks, fixed, pad)."""
     import random
 
     rng = random.Random(0)
@@ -55,7 +57,8 @@ def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0,
         elif pacer is not None:
             sched.prefill_chunk_hint = pacer.chunk()
         out = sched.schedule()
-        seconds = device_seconds(out.chunks, fixed, pad) * (1 + jitter * rng.uniform(-1, 1))
+        step = device(out.chunks) if device is not None else device_seconds(out.chunks, fixed, pad)
+        seconds = step * (1 + jitter * rng.uniform(-1, 1))
         if pacer is not None:
             pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
         sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
@@ -68,7 +71,7 @@ def read_long_prompt(pacer: PrefillPacer | None, cap: int, fixed: float = 0.0,
     steps = []
     while long.num_output_tokens == 0:
         out, seconds = run_step()
-        steps.append((next(c.num_tokens for c in out.chunks if c.request_id == "long"), seconds))
+        steps.append((sum(c.num_tokens for c in out.chunks if c.request_id == "long"), seconds))
     assert sum(n for n, _ in steps) == LONG
     return steps
 
@@ -263,32 +266,8 @@ def bucket_device_seconds(chunks) -> float:
 
 
 def read_long_prompt_on_graphs(pacer: PrefillPacer) -> list[tuple[int, float]]:
-    """As read_long_prompt, on the device above, with async scheduling's lag and 3% noise."""
-    import random
-
-    rng = random.Random(0)
-    sched = make_scheduler(512)
-    running_decodes(sched, 64)
-    queued = [pacer.chunk()]
-
-    def run_step():
-        sched.prefill_chunk_hint, queued[0] = queued[0], pacer.chunk()
-        out = sched.schedule()
-        seconds = bucket_device_seconds(out.chunks) * (1 + 0.03 * rng.uniform(-1, 1))
-        pacer.observe(seconds, [(c.num_tokens, c.num_tokens > 1) for c in out.chunks])
-        sched.update(out, {c.request_id: 7 for c in out.chunks if c.sample})
-        return out, seconds
-
-    for _ in range(5):
-        run_step()
-    long = Request("long", [3] * LONG, max_tokens=4)
-    sched.add_request(long)
-    steps = []
-    while long.num_output_tokens == 0:
-        out, seconds = run_step()
-        steps.append((sum(c.num_tokens for c in out.chunks if c.request_id == "long"), seconds))
-    assert sum(n for n, _ in steps) == LONG
-    return steps
+    """read_long_prompt on the device above, with async scheduling's lag and 3% noise."""
+    return read_long_prompt(pacer, 512, lag=True, jitter=0.03, device=bucket_device_seconds)
 
 
 def test_chunks_fill_graph_buckets_and_stay_near_the_ratio():

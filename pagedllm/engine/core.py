@@ -35,7 +35,6 @@ from pagedllm.worker.cuda_graphs import mixed_graph_chunks
 logger = logging.getLogger(__name__)
 
 
-
 def _mixed_graph_buckets(config: EngineConfig) -> list[int]:
     """The prompt rows the worker's mixed-step CUDA graphs pad a chunk to (the pacer sizes
     chunks to them), where the worker captures such graphs: CUDA, graphs on, no LoRA. (A
@@ -44,6 +43,7 @@ def _mixed_graph_buckets(config: EngineConfig) -> list[int]:
     if not str(config.device or "").startswith("cuda") or config.enforce_eager or config.enable_lora:
         return []
     return mixed_graph_chunks(config.max_prefill_tokens_with_decodes)
+
 
 class StepError(RuntimeError):
     """The model step raised. Its sequences (`request_ids`) cannot go on; nothing else was

@@ -458,7 +458,7 @@ def sum_k(rows: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
     block = min(256, _pow2(hidden))
     _sum_k_kernel[(tokens, triton.cdiv(hidden, block))](
         rows, out, hidden, K=top_k, KB=_pow2(top_k), BLOCK=block, num_warps=4,
-        **(pdl.kernel_options(rows) if rows.is_cuda else {"PDL": False}))
+        **pdl.kernel_options(rows))
     return out
 
 

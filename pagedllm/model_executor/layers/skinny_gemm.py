@@ -83,7 +83,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
         MB=mb, BN=bn, BK=bk, BIAS=bias is not None, num_warps=warps,
-        **(pdl.kernel_options(x) if x.is_cuda else {"PDL": False}))
+        **pdl.kernel_options(x))
     return y.view(*lead, n)
 
 
