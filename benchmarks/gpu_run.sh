@@ -387,13 +387,15 @@ moe-b1)
         --json "$OUT/attn-small-batch.json" 2>&1 | tail -14
     ;;
 skinny)
-    # Issue 33's batch 1: the few-row product, the k-row MoE sum and the short contexts'
-    # key splits: their tests, the product's table against cuBLAS (skinny_gemm_bench.py;
-    # SKINNY_BENCH=0 skips it), then gpu-moe at batch 1 on this tree, without the sum
-    # kernel, and on .baseline's earlier tree (carry .baseline: the A/B of one card), then
-    # a batch-1 profile with PDL off (SKINNY_PROFILE=0 skips it).
+    # Issue 33's batch 1: the few-row product, the one-token experts, the k-row MoE sum and
+    # the short contexts' key splits: their tests, the product's table against cuBLAS
+    # (skinny_gemm_bench.py; SKINNY_BENCH=0 skips it), one MoE layer fused vs skinny_moe
+    # (SKINNY_MOE_BENCH=0 skips it), then gpu-moe at batch 1 on this tree with and without
+    # skinny_moe (SUMK=1: with and without the sum kernel too), and on .baseline's earlier
+    # tree (carry .baseline: the A/B of one card), then a batch-1 profile with PDL off
+    # (SKINNY_PROFILE=0 skips it).
     timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_skinny_gemm.py \
-        tests/test_moe_sum_k.py -k "not interpreter" 2>&1 | tail -2
+        tests/test_moe_sum_k.py tests/test_skinny_moe.py -k "not interpreter" 2>&1 | tail -2
     timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_triton_attention.py \
         -m "gpu or not gpu" -k "split or long_lengths" 2>&1 | tail -2
     if [[ ${SKINNY_BENCH:-1} != 0 ]]; then
@@ -401,7 +403,12 @@ skinny)
             --shapes ${SKINNY_SHAPES:-moe-qkv moe-o moe-router 7b-qkv 7b-down} \
             --json "$OUT/skinny-gemm.json" 2>&1 | grep -v Warning | tail -12
     fi
-    moe_b1 PAGEDLLM_MOE_SUM_K_TOKENS sumk 64 0
+    if [[ ${SKINNY_MOE_BENCH:-1} != 0 ]]; then  # one MoE layer at one token: fused vs skinny_moe
+        timeout "$(cap 150)" python3 benchmarks/skinny_moe_bench.py --json "$OUT/skinny-moe.json" 2>&1 \
+            | grep -v Warning | tail -4
+    fi
+    moe_b1 PAGEDLLM_MOE_SKINNY_TOKENS skinnymoe 1 0
+    [[ ${SUMK:-0} != 0 ]] && moe_b1 PAGEDLLM_MOE_SUM_K_TOKENS sumk 64 0
     if [[ -d .baseline/pagedllm ]]; then
         PYTHONPATH=$PWD/.baseline:$PYTHONPATH moe_b1 PAGEDLLM_DECODE_KV_SPLITS baseline-splits 16
     fi

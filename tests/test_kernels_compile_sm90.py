@@ -61,6 +61,26 @@ def test_moe_sum_k_compiles():
         _compile(fn, _signature(fn, const, {"Rows": "*bf16", "Out": "*bf16"}, set()), const)
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_skinny_moe_compiles(pdl):
+    """The one-token expert kernels: routed in the kernel or given ids, Qwen3-30B-A3B's
+    tiles and gpt-oss's biases and SwiGLU."""
+    from pagedllm.model_executor.layers import skinny_moe
+
+    floats = {"alpha", "limit"}
+    for route, extras in ((True, False), (False, True)):
+        const = {"K": 8, "EB": 128, "ROUTE": route, "RENORM": route, "BIAS": extras, "SWIGLU": extras,
+                 "BN": 4, "BK": 1024, "PDL": pdl}
+        ptrs = {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Hout": "*bf16", "Logits": "*bf16", "Ids": "*i32",
+                "Weights": "*bf16"}
+        fn = skinny_moe._gate_up_kernel
+        assert "ld.global" in _compile(fn, _signature(fn, const, ptrs, floats), const).asm["ptx"]
+        const = {"K": 8, "KB": 8, "BIAS": extras, "BN": 2, "BK": 256, "PDL": pdl}
+        ptrs = {"A": "*bf16", "W": "*bf16", "B": "*bf16", "Out": "*bf16", "Ids": "*i32", "Weights": "*fp32"}
+        fn = skinny_moe._down_kernel
+        _compile(fn, _signature(fn, const, ptrs, set()), const)
+
+
 def test_paged_attention_and_combine_compile():
     """Decode (one query a row) and prefill tiles, bf16 and fp8 pages, key splits on and
     off: the split count a runtime argument, the switch a constant."""

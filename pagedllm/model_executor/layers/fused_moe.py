@@ -52,6 +52,7 @@ try:
     import triton.language as tl
 
     from pagedllm import pdl
+    from pagedllm.model_executor.layers import skinny_moe
     from pagedllm.pdl import launch_dependents, wait
     from pagedllm.triton_dot import dot
 except ImportError:  # CPU-only installs: callers check `available()`
@@ -476,9 +477,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     published format, kept packed): w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8 (two e2m1
     values a byte, low nibble first) with w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32]
     (uint8 e8m0 exponents, one per 32 values), dequantized tile by tile in the kernels.
-    `aligned`: the pairs already aligned (route_align) with `config`'s BM."""
+    `aligned`: the pairs already aligned (route_align) with `config`'s BM. A one-token step
+    of float experts without either takes skinny_moe's matrix-vector kernels instead."""
     if invariant:
         config = INVARIANT_CONFIG
+    elif w13_scale is None and aligned is None and config is None and skinny_moe.applies(x, w13, w2):
+        return skinny_moe.routed_experts(x, w13, w2, weights=weights, ids=ids, b13=b13, b2=b2, swiglu=swiglu)
     tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2

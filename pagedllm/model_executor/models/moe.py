@@ -34,7 +34,7 @@ from torch import nn
 
 from pagedllm import batch_invariant
 from pagedllm.distributed import all_reduce, divide, get_tp_rank, get_tp_world_size
-from pagedllm.model_executor.layers import fused_moe
+from pagedllm.model_executor.layers import fused_moe, skinny_moe
 from pagedllm.model_executor.layers.linear import ReplicatedLinear
 from pagedllm.model_executor.layers.sharding import read_block, shape_of
 from pagedllm.model_executor.models.architectures import ARCHITECTURES
@@ -176,12 +176,19 @@ class SparseMoeBlock(nn.Module):
 
     def _route_align_experts(self, x: torch.Tensor) -> torch.Tensor | None:
         """run_experts(x, *route(x)) with the routing and the pair alignment in one kernel
-        (fused_moe.route_align), for the small steps of decoding on CUDA; None where it
-        does not apply (another routing, more tokens, the batch-invariant mode)."""
+        (fused_moe.route_align), for the small steps of decoding on CUDA, or inside the
+        expert kernels for one token (skinny_moe); None where it does not apply (another
+        routing, more tokens, the batch-invariant mode)."""
         tokens = x.shape[0]
         if (type(self).route is not SparseMoeBlock.route or not fused_moe.available(x)
                 or not 0 < tokens <= fused_moe.ROUTE_ALIGN_TOKENS or batch_invariant.is_enabled()):
             return None
+        if skinny_moe.applies(x, self.w13, self.w2):  # one token: routed inside the expert kernels
+            swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
+            return skinny_moe.routed_experts(
+                x, self.w13, self.w2, logits=self.gate(x), top_k=self.top_k, renormalise=self.norm_topk_prob,
+                weights_dtype=torch.float32 if self.weights_in_fp32 else x.dtype, b13=self.b13, b2=self.b2,
+                swiglu=swiglu)
         cfg = fused_moe.pick_config(tokens * self.top_k, self.num_experts, x.shape[1], self.inter, self.top_k)
         weights, ids, aligned = fused_moe.route_align(self.gate(x), self.top_k, self.norm_topk_prob, cfg["BM"],
                                                       torch.float32 if self.weights_in_fp32 else x.dtype)
