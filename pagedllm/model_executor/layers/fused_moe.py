@@ -477,7 +477,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     published format, kept packed): w13 [E, 2I, H/2] and w2 [E, H, I/2] uint8 (two e2m1
     values a byte, low nibble first) with w13_scale [E, 2I, H/32] and w2_scale [E, H, I/32]
     (uint8 e8m0 exponents, one per 32 values), dequantized tile by tile in the kernels.
-    `aligned`: the pairs already aligned (route_align) with `config`'s BM. A one-token step
+    `aligned`: the pairs already aligned (route_align) with `config`'s BM. A step of 1-2 tokens
     of float experts without either takes skinny_moe's matrix-vector kernels instead."""
     if invariant:
         config = INVARIANT_CONFIG

@@ -1,4 +1,4 @@
-"""The routed experts of a one-token decode step (CUDA): matrix-vector products, no pair
+"""The routed experts of a decode step of one or two tokens (CUDA): matrix-vector products, no pair
 alignment, no separate routing or k-row sum.
 
 At batch 1 the fused path (fused_moe.py) spends a step's MoE layer on four launches around
@@ -8,7 +8,7 @@ padding, the down GEMM, and the sum of the k rows. On an H200 (Qwen3-30B-A3B sha
 profile in benchmarks/results/2026-12-06-gpu-h200-profile-moe-b1-*) route_align took 5.5 us
 a layer and torch's k-row sum 4.8 us, beside 15.3 us for gate|up and 9.0 for down.
 
-Here one token's k experts take two kernels:
+Here a token's k experts take two kernels:
 
 1. `_gate_up_kernel`, a program per (pair, BN intermediate rows): with `logits` it
    computes the token's routing itself (softmax in float32, top k with the lowest index
@@ -27,7 +27,7 @@ Here one token's k experts take two kernels:
 The result differs from the fused path's only in rounding: that path rounds each
 expert's weighted row to the output dtype before summing the k rows.
 
-Used for steps of up to max_tokens() tokens (PAGEDLLM_MOE_SKINNY_TOKENS, default 1; 0 off)
+Used for steps of up to max_tokens() tokens (PAGEDLLM_MOE_SKINNY_TOKENS, default 2; 0 off)
 of bf16/fp16 experts stored as floats (MXFP4 experts keep the fused path), outside the
 batch-invariant mode."""
 
@@ -45,7 +45,7 @@ try:
 except ImportError:  # CPU-only installs never launch it
     triton = None
 
-DEFAULT_MAX_TOKENS = 1
+DEFAULT_MAX_TOKENS = 2  # H100, gpu-moe: +1.6% at 2 sequences, -4.3% at 4 (the fused path's tiles win)
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -71,11 +71,12 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def launch_config(hidden: int, inter: int) -> dict:
-    """Tile settings: gate|up BN rows x BK (up to 1,024) of the hidden size a step, down
-    BN columns x BK (up to 256) of the intermediate size for all k experts at once; 4 warps.
+    """Tile settings: gate|up 4 rows x up to 1,024 of the hidden size a step, down one
+    column x up to 128 of the intermediate size for all k experts at once; 4 warps (the
+    fastest of the H100 sweep, benchmarks/results/2026-12-07-gpu-h100-skinny-moe-*.json).
     PAGEDLLM_MOE_SKINNY_CONFIG="gBN,gBK,dBN,dBK" overrides (benchmarks)."""
     cfg = {"gate_bn": 4 if inter >= 512 else 2, "gate_bk": min(1024, _pow2(max(hidden, 64))),
-           "down_bn": 2, "down_bk": min(256, _pow2(max(inter, 64))), "num_warps": 4}
+           "down_bn": 1, "down_bk": min(128, _pow2(max(inter, 64))), "num_warps": 4}
     env = os.environ.get("PAGEDLLM_MOE_SKINNY_CONFIG")
     if env:
         gbn, gbk, dbn, dbk = (int(v) for v in env.split(","))

@@ -177,13 +177,13 @@ class SparseMoeBlock(nn.Module):
     def _route_align_experts(self, x: torch.Tensor) -> torch.Tensor | None:
         """run_experts(x, *route(x)) with the routing and the pair alignment in one kernel
         (fused_moe.route_align), for the small steps of decoding on CUDA, or inside the
-        expert kernels for one token (skinny_moe); None where it does not apply (another
+        expert kernels for one or two tokens (skinny_moe); None where it does not apply (another
         routing, more tokens, the batch-invariant mode)."""
         tokens = x.shape[0]
         if (type(self).route is not SparseMoeBlock.route or not fused_moe.available(x)
                 or not 0 < tokens <= fused_moe.ROUTE_ALIGN_TOKENS or batch_invariant.is_enabled()):
             return None
-        if skinny_moe.applies(x, self.w13, self.w2):  # one token: routed inside the expert kernels
+        if skinny_moe.applies(x, self.w13, self.w2):  # routed inside the expert kernels
             swiglu = (self.act.alpha, self.act.limit) if self.act.kind == "clamped_swiglu" else None
             return skinny_moe.routed_experts(
                 x, self.w13, self.w2, logits=self.gate(x), top_k=self.top_k, renormalise=self.norm_topk_prob,
