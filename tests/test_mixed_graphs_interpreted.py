@@ -26,5 +26,7 @@ def test_chunk_sizes_follow_the_cap_and_the_switch(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_MIXED_GRAPHS", "1")
     assert cuda_graphs.mixed_graph_chunks(512) == [128, 256, 512]
     assert cuda_graphs.mixed_graph_chunks(32) == [16, 32]
+    assert cuda_graphs.mixed_graph_chunks(512, paced=True) == [64, 128, 256, 512]  # the pacer's floor
+    assert cuda_graphs.mixed_graph_chunks(64, paced=True) == [16, 32, 64]
     assert cuda_graphs.mixed_graph_chunks(0) == []  # no cap: whole-budget chunks
     assert cuda_graphs.mixed_graph_chunks(4096) == []

@@ -322,7 +322,8 @@ def test_the_engine_core_gives_the_pacer_the_mixed_graph_buckets(monkeypatch):
 
     monkeypatch.delenv("PAGEDLLM_MIXED_GRAPHS", raising=False)
     cfg = EngineConfig(model="m", device="cuda", max_prefill_tokens_with_decodes=512, prefill_step_ratio=1.5)
-    assert _mixed_graph_buckets(cfg) == [128, 256, 512]
+    assert _mixed_graph_buckets(cfg) == [64, 128, 256, 512]  # paced: an eighth of the cap too
+    assert _mixed_graph_buckets(EngineConfig(**{**cfg.__dict__, "prefill_step_ratio": None})) == [128, 256, 512]
     for other in (dict(device="cpu"), dict(enforce_eager=True), dict(enable_lora=True),
                   dict(max_prefill_tokens_with_decodes=None)):
         assert _mixed_graph_buckets(EngineConfig(**{**cfg.__dict__, **other})) == []

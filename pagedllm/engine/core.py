@@ -42,7 +42,7 @@ def _mixed_graph_buckets(config: EngineConfig) -> list[int]:
     steps eagerly; its chunks are then whole buckets all the same.)"""
     if not str(config.device or "").startswith("cuda") or config.enforce_eager or config.enable_lora:
         return []
-    return mixed_graph_chunks(config.max_prefill_tokens_with_decodes)
+    return mixed_graph_chunks(config.max_prefill_tokens_with_decodes, paced=config.prefill_step_ratio is not None)
 
 
 class StepError(RuntimeError):

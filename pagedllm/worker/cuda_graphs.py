@@ -30,18 +30,28 @@ from pagedllm.config import env_flag
 logger = logging.getLogger(__name__)
 
 
-def mixed_graph_chunks(prefill_cap: int | None) -> list[int]:
+def mixed_graph_chunks(prefill_cap: int | None, paced: bool = False) -> list[int]:
     """The prompt rows MixedGraphs capture under a cap on a step's prompt tokens beside
-    decodes (a quarter, a half and all of it), or none: not made for no cap or one over
-    2,048 (such chunks keep the device busy past the launches' host cost), nor with
-    PAGEDLLM_MIXED_GRAPHS=0. On an H100 (gpu-7b's shape, 64 streams, a 32k prompt read in
-    chunks of 512) they cut the streams' p99 gap while the prompt prefills from 95.8 to
-    48.8 ms."""
+    decodes (a quarter, a half and all of it; `paced`, with --prefill-step-ratio, also an
+    eighth), or none: not made for no cap or one over 2,048 (such chunks keep the device
+    busy past the launches' host cost), nor with PAGEDLLM_MIXED_GRAPHS=0. On an H100
+    (gpu-7b's shape, 64 streams, a 32k prompt read in chunks of 512) they cut the streams'
+    p99 gap while the prompt prefills from 95.8 to 48.8 ms.
+
+    The eighth is the paced chunks' floor: the pacer asks for the largest bucket whose cost
+    fits its budget, else the smallest. On an H100 late in a 32k prompt the 128-row bucket
+    added 15 ms to an 11.7 ms step against a budget of 5.8 ms at ratio 1.5
+    (benchmarks/results/2026-12-07-gpu-h100-pacer-mixed-ratio*.jsonl). Its attention is
+    two 64-query tiles per head, each reading the prompt's keys. 64 rows are one tile and
+    half the products."""
     if not env_flag("PAGEDLLM_MIXED_GRAPHS", default=True):
         return []
     if not prefill_cap or prefill_cap > 2048:
         return []
-    return sorted({max(16, prefill_cap // 4), max(16, prefill_cap // 2), prefill_cap})
+    sizes = {max(16, prefill_cap // 4), max(16, prefill_cap // 2), prefill_cap}
+    if paced:
+        sizes.add(max(16, prefill_cap // 8))
+    return sorted(sizes)
 
 
 def capture_sizes(max_batch: int) -> list[int]:

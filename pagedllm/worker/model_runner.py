@@ -342,7 +342,8 @@ class ModelRunner:
                     self.model, self.kv_caches, self.device,
                     min(max_num_seqs, spec.max_batch_size), max_blocks,  # resolve() set the gate
                     spec.num_speculative_tokens + 1, self.backend.tile_q(s.num_heads // s.num_kv_heads))
-            chunks = mixed_graph_chunks(self.config.max_prefill_tokens_with_decodes)
+            chunks = mixed_graph_chunks(self.config.max_prefill_tokens_with_decodes,
+                                        paced=self.config.prefill_step_ratio is not None)
             if chunks and self.lora is None and getattr(self.model, "prefill_graph_safe", True):
                 s = self.model.shape
                 self.mixed_graphs = MixedGraphs(
