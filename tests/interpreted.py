@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,3 +25,13 @@ def run_interpreted(args: list[str], timeout: int, **env: str | None) -> subproc
             full[name] = value
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def kernel_device() -> str:
+    """Where a Triton kernel test runs: "cuda", else "cpu" inside Triton's interpreter
+    (TRITON_INTERPRET=1, as run_interpreted starts it); otherwise the test is skipped."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "cpu"
+    pytest.skip("needs CUDA or Triton's interpreter")

@@ -81,6 +81,19 @@ def test_skinny_moe_compiles(pdl):
         _compile(fn, _signature(fn, const, ptrs, set()), const)
 
 
+def test_fused_moe_gate_up_compiles():
+    """The grouped gate|up kernel with the expert activation it shares with skinny_moe
+    (silu, and gpt-oss's biases and clamped SwiGLU)."""
+    from pagedllm.model_executor.layers import fused_moe
+
+    fn = fused_moe._gate_up_kernel
+    ptrs = {"X": "*bf16", "W": "*bf16", "S": "*bf16", "B": "*bf16", "Out": "*bf16", "SortedIds": "*i32",
+            "BlockExpert": "*i32", "Used": "*i32"}
+    for swiglu in (False, True):
+        const = {"IEEE": False, "BIAS": swiglu, "SWIGLU": swiglu, "MXFP4": False, "BM": 16, "BN": 64, "BK": 128}
+        _compile(fn, _signature(fn, const, ptrs, {"alpha", "limit"}), const)
+
+
 def test_paged_attention_and_combine_compile():
     """Decode (one query a row) and prefill tiles, bf16 and fp8 pages, key splits on and
     off: the split count a runtime argument, the switch a constant."""

@@ -6,24 +6,11 @@ rounding is not the card's."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import kernel_device, run_interpreted
 
 from pagedllm.model_executor.layers import skinny_gemm
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if INTERPRETED:
-        return "cpu"
-    pytest.skip("needs CUDA or Triton's interpreter")
-
 
 # (m, n, k, config): N not a multiple of BN, K not a multiple of BK, one and several key tiles
 CASES = [
@@ -40,7 +27,7 @@ CASES = [
 @pytest.mark.parametrize("m,n,k,config", CASES)
 def test_kernel_matches_torch(m, n, k, config, bias):
     pytest.importorskip("triton")
-    dev = _device()
+    dev = kernel_device()
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dev, dtype)
@@ -57,7 +44,7 @@ def test_a_row_does_not_depend_on_the_others():
     """Batch 1 and the same row inside a batch of 3 give the same bits (the launch's MB
     differs, the sum's order does not)."""
     pytest.importorskip("triton")
-    dev = _device()
+    dev = kernel_device()
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(7)
     x = torch.randn(3, 256, generator=g).to(dev, dtype)

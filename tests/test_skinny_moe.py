@@ -7,24 +7,12 @@ test_the_kernels_in_the_interpreter): float32 there, bfloat16 on a card."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreted import run_interpreted
+from interpreted import kernel_device, run_interpreted
 
 from pagedllm.model_executor.layers import skinny_moe
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if INTERPRETED:
-        return "cpu"
-    pytest.skip("needs CUDA or Triton's interpreter")
 
 
 def _reference(x, w13, w2, weights, ids, b13=None, b2=None, act=None):
@@ -80,7 +68,7 @@ def _config(cfg):
 @pytest.mark.parametrize("tokens,experts,k,hidden,inter,cfg", CASES)
 def test_routed_in_the_kernel_equals_the_loop(tokens, experts, k, hidden, inter, cfg, renormalise):
     pytest.importorskip("triton")
-    dev = _device()
+    dev = kernel_device()
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     x, w13, w2, logits = _problem(tokens, experts, k, hidden, inter, dev, dtype)
     weights, ids = _routing(logits, k, renormalise)
@@ -97,7 +85,7 @@ def test_given_ids_and_weights_equal_the_loop(tokens, experts, k, hidden, inter,
     """Another routing's ids and weights (e.g. DeepSeek's grouped sigmoid), the same expert
     chosen twice by different tokens."""
     pytest.importorskip("triton")
-    dev = _device()
+    dev = kernel_device()
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     x, w13, w2, logits = _problem(tokens, experts, k, hidden, inter, dev, dtype, seed=1)
     weights, ids = torch.topk(logits.float().sigmoid(), k)
@@ -116,7 +104,7 @@ def test_biases_and_clamped_swiglu():
     pytest.importorskip("triton")
     from pagedllm.model_executor.models.moe import Activation
 
-    dev = _device()
+    dev = kernel_device()
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     x, w13, w2, logits = _problem(1, 8, 4, 64, 32, dev, dtype, seed=2)
     w13, w2 = w13 * 1.5, w2 * 1.5
@@ -136,7 +124,7 @@ def test_biases_and_clamped_swiglu():
 def test_ties_pick_the_lowest_expert():
     """Equal logits: the k lowest indices, as _route_kernel and torch.topk on CUDA pick."""
     pytest.importorskip("triton")
-    dev = _device()
+    dev = kernel_device()
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
     x, w13, w2, _ = _problem(1, 8, 2, 64, 32, dev, dtype, seed=3)
     logits = torch.zeros(1, 8, device=dev, dtype=dtype)

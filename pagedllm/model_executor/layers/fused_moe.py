@@ -53,6 +53,7 @@ try:
 
     from pagedllm import pdl
     from pagedllm.model_executor.layers import skinny_moe
+    from pagedllm.model_executor.layers.skinny_moe import expert_activation
     from pagedllm.pdl import launch_dependents, wait
     from pagedllm.triton_dot import dot
 except ImportError:  # CPU-only installs: callers check `available()`
@@ -213,12 +214,7 @@ if triton is not None:
         if BIAS:  # B: [E, 2I], gate biases then up biases
             acc_g += tl.load(B + e * sbe + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(B + e * sbe + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if SWIGLU:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-            g = tl.minimum(acc_g, limit)
-            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-            h = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-        else:
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = expert_activation(acc_g, acc_u, alpha, limit, SWIGLU)  # gpt-oss: its clamped SwiGLU
         o_ptr = Out + pair[:, None].to(tl.int64) * som + rn[None, :] * son
         tl.store(o_ptr, h.to(Out.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 

@@ -134,6 +134,19 @@ if triton is not None:
     from pagedllm.pdl import launch_dependents, wait
 
     @triton.jit
+    def expert_activation(gate, up, alpha, limit, SWIGLU: tl.constexpr):
+        """An expert's silu(gate) * up in float32, or (SWIGLU) gpt-oss's clamped SwiGLU:
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+        fused_moe's gate|up kernel applies the same."""
+        if SWIGLU:
+            g = tl.minimum(gate, limit)
+            u = tl.minimum(tl.maximum(up, -limit), limit)
+            out = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+        else:
+            out = gate / (1.0 + tl.exp(-gate)) * up
+        return out
+
+    @triton.jit
     def _topk_pick(Logits, E, j, K: tl.constexpr, EB: tl.constexpr, RENORM: tl.constexpr):
         """Expert and weight of a token's j-th choice (Logits: its row): _route_kernel's softmax and top K
         (the lowest index among ties), renormalised over the K when RENORM."""
@@ -202,12 +215,7 @@ if triton is not None:
         if BIAS:  # B: [E, 2I], gate biases then up biases
             acc_g += tl.load(B + e * sbe + rn, mask=nin, other=0.0).to(tl.float32)
             acc_u += tl.load(B + e * sbe + N + rn, mask=nin, other=0.0).to(tl.float32)
-        if SWIGLU:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-            g = tl.minimum(acc_g, limit)
-            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-            out = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-        else:
-            out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out = expert_activation(acc_g, acc_u, alpha, limit, SWIGLU)
         tl.store(Hout + pair.to(tl.int64) * shm + rn, out.to(Hout.dtype.element_ty), mask=nin)
 
     @triton.jit
