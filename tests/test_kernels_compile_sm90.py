@@ -83,7 +83,7 @@ def test_skinny_moe_compiles(pdl):
 
 def test_fused_moe_gate_up_compiles():
     """The grouped gate|up kernel with the expert activation it shares with skinny_moe
-    (silu, and gpt-oss's biases and clamped SwiGLU)."""
+    (moe_math: silu, and gpt-oss's biases and clamped SwiGLU), and the routing kernel."""
     from pagedllm.model_executor.layers import fused_moe
 
     fn = fused_moe._gate_up_kernel
@@ -92,6 +92,10 @@ def test_fused_moe_gate_up_compiles():
     for swiglu in (False, True):
         const = {"IEEE": False, "BIAS": swiglu, "SWIGLU": swiglu, "MXFP4": False, "BM": 16, "BN": 64, "BK": 128}
         _compile(fn, _signature(fn, const, ptrs, {"alpha", "limit"}), const)
+    fn = fused_moe._route_kernel
+    for renorm in (False, True):
+        const = {"K": 8, "EB": 128, "RENORM": renorm}
+        _compile(fn, _signature(fn, const, {"Logits": "*bf16", "Weights": "*fp32", "Ids": "*i32"}, set()), const)
 
 
 def test_paged_attention_and_combine_compile():

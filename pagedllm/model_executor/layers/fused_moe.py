@@ -53,7 +53,7 @@ try:
 
     from pagedllm import pdl
     from pagedllm.model_executor.layers import skinny_moe
-    from pagedllm.model_executor.layers.skinny_moe import expert_activation
+    from pagedllm.model_executor.layers.moe_math import expert_activation, router_probs, take_best
     from pagedllm.pdl import launch_dependents, wait
     from pagedllm.triton_dot import dot
 except ImportError:  # CPU-only installs: callers check `available()`
@@ -343,19 +343,13 @@ if triton is not None:
         """Softmax over one token's router logits in float32, its top K, and (RENORM) the
         K weights divided by their sum: transformers' routing in one kernel."""
         t = tl.program_id(0).to(tl.int64)
-        eb = tl.arange(0, EB)
-        x = tl.load(Logits + t * stride + eb, mask=eb < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, 0))
-        p = p / tl.sum(p, 0)
-        left = tl.where(eb < E, p, -1.0)
+        left, eb = router_probs(Logits + t * stride, E, EB)
         total = 0.0
         for j in tl.static_range(K):
-            best = tl.max(left, 0)
-            idx = tl.min(tl.where(left == best, eb, EB), 0)  # the lowest index among ties
+            best, idx, left = take_best(left, eb, EB)  # the lowest index among ties
             tl.store(Weights + t * K + j, best)
             tl.store(Ids + t * K + j, idx)
             total += best
-            left = tl.where(eb == idx, -1.0, left)
         if RENORM:
             kk = tl.arange(0, K)
             w = tl.load(Weights + t * K + kk)

@@ -53,17 +53,11 @@ def max_tokens() -> int:
     return int(os.environ.get("PAGEDLLM_MOE_SKINNY_TOKENS", DEFAULT_MAX_TOKENS))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether a step of `x` [T, H] takes these kernels: 1 <= T <= max_tokens(), on CUDA,
     float experts in x's 16-bit dtype with unit stride
     along their last dimension."""
-    if triton is None or x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        return False
-    if not x.is_cuda:
+    if triton is None or not x.is_cuda or x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False
     tokens = x.shape[0]
     return (0 < tokens <= max_tokens() and x.stride(-1) == 1 and w13.stride(-1) == 1
@@ -75,8 +69,8 @@ def launch_config(hidden: int, inter: int) -> dict:
     column x up to 128 of the intermediate size for all k experts at once; 4 warps (the
     fastest of the H100 sweep, benchmarks/results/2026-12-07-gpu-h100-skinny-moe-*.json).
     PAGEDLLM_MOE_SKINNY_CONFIG="gBN,gBK,dBN,dBK" overrides (benchmarks)."""
-    cfg = {"gate_bn": 4 if inter >= 512 else 2, "gate_bk": min(1024, _pow2(max(hidden, 64))),
-           "down_bn": 1, "down_bk": min(128, _pow2(max(inter, 64))), "num_warps": 4}
+    cfg = {"gate_bn": 4 if inter >= 512 else 2, "gate_bk": min(1024, triton.next_power_of_2(max(hidden, 64))),
+           "down_bn": 1, "down_bk": min(128, triton.next_power_of_2(max(inter, 64))), "num_warps": 4}
     env = os.environ.get("PAGEDLLM_MOE_SKINNY_CONFIG")
     if env:
         gbn, gbk, dbn, dbk = (int(v) for v in env.split(","))
@@ -120,51 +114,33 @@ def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
     _gate_up_kernel[(pairs, triton.cdiv(inter, cfg["gate_bn"]))](
         x, w13, w13 if b13 is None else b13, h, lg, ids, weights, num_experts, hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0), lg.stride(0),
-        h.stride(0), float(alpha), float(limit), K=top_k, EB=_pow2(num_experts), ROUTE=route,
+        h.stride(0), float(alpha), float(limit), K=top_k, EB=triton.next_power_of_2(num_experts), ROUTE=route,
         RENORM=renormalise, BIAS=b13 is not None, SWIGLU=swiglu is not None, BN=cfg["gate_bn"],
         BK=cfg["gate_bk"], num_warps=cfg["num_warps"], **opts)
     _down_kernel[(tokens, triton.cdiv(hidden, cfg["down_bn"]))](
         h, w2, w2 if b2 is None else b2, out, ids, weights, inter, hidden, h.stride(0), w2.stride(0),
-        w2.stride(1), 0 if b2 is None else b2.stride(0), out.stride(0), K=top_k, KB=_pow2(top_k),
+        w2.stride(1), 0 if b2 is None else b2.stride(0), out.stride(0), K=top_k, KB=triton.next_power_of_2(top_k),
         BIAS=b2 is not None, BN=cfg["down_bn"], BK=cfg["down_bk"], num_warps=cfg["num_warps"], **opts)
     return out
 
 
 if triton is not None:
+    from pagedllm.model_executor.layers.moe_math import expert_activation, router_probs, take_best
     from pagedllm.pdl import launch_dependents, wait
 
     @triton.jit
-    def expert_activation(gate, up, alpha, limit, SWIGLU: tl.constexpr):
-        """An expert's silu(gate) * up in float32, or (SWIGLU) gpt-oss's clamped SwiGLU:
-        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
-        fused_moe's gate|up kernel applies the same."""
-        if SWIGLU:
-            g = tl.minimum(gate, limit)
-            u = tl.minimum(tl.maximum(up, -limit), limit)
-            out = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
-        else:
-            out = gate / (1.0 + tl.exp(-gate)) * up
-        return out
-
-    @triton.jit
     def _topk_pick(Logits, E, j, K: tl.constexpr, EB: tl.constexpr, RENORM: tl.constexpr):
-        """Expert and weight of a token's j-th choice (Logits: its row): _route_kernel's softmax and top K
-        (the lowest index among ties), renormalised over the K when RENORM."""
-        eb = tl.arange(0, EB)
-        x = tl.load(Logits + eb, mask=eb < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, 0))
-        p = p / tl.sum(p, 0)
-        left = tl.where(eb < E, p, -1.0)
+        """Expert and weight of a token's j-th choice (Logits: its row): _route_kernel's
+        softmax and top K (moe_math), renormalised over the K when RENORM."""
+        left, eb = router_probs(Logits, E, EB)
         total = 0.0
         pick = 0
         weight = 0.0
         for i in tl.static_range(K):
-            best = tl.max(left, 0)
-            idx = tl.min(tl.where(left == best, eb, EB), 0)
+            best, idx, left = take_best(left, eb, EB)
             pick = tl.where(j == i, idx, pick)
             weight = tl.where(j == i, best, weight)
             total += best
-            left = tl.where(eb == idx, -1.0, left)
         if RENORM:
             weight = weight / total
         return pick, weight
