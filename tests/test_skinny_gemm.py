@@ -73,7 +73,7 @@ def test_launch_config_follows_the_sweep():
 
 def test_which_products_it_takes(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.delenv("PAGEDLLM_SKINNY_MAX_ROWS", raising=False)
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", skinny_gemm.DEFAULT_MAX_ROWS)
     w = torch.zeros(16, 64, dtype=torch.bfloat16)
     assert not skinny_gemm.applies(torch.zeros(1, 64, dtype=torch.bfloat16), w)  # CPU: torch's
     if not torch.cuda.is_available():
@@ -89,7 +89,7 @@ def test_which_products_it_takes(monkeypatch):
     assert not skinny_gemm.applies(x.float(), w.float())
     odd = torch.zeros(16, 60, dtype=torch.bfloat16, device="cuda")
     assert not skinny_gemm.applies(x[:1, :60], odd)  # K not a multiple of 8
-    monkeypatch.setenv("PAGEDLLM_SKINNY_MAX_ROWS", "0")
+    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # PAGEDLLM_SKINNY_MAX_ROWS=0
     assert not skinny_gemm.applies(x[:1], w)
 
 

@@ -143,7 +143,7 @@ def test_the_kernels_in_the_interpreter():
 
 def test_which_steps_take_it(monkeypatch):
     pytest.importorskip("triton")
-    monkeypatch.delenv("PAGEDLLM_MOE_SKINNY_TOKENS", raising=False)
+    monkeypatch.setattr(skinny_moe, "MAX_TOKENS", skinny_moe.DEFAULT_MAX_TOKENS)
     w13 = torch.zeros(4, 16, 32, dtype=torch.bfloat16)
     w2 = torch.zeros(4, 32, 8, dtype=torch.bfloat16)
     x = torch.zeros(1, 32, dtype=torch.bfloat16)
@@ -155,7 +155,7 @@ def test_which_steps_take_it(monkeypatch):
     assert skinny_moe.applies(torch.zeros(2, 32, dtype=torch.bfloat16, device="cuda"), w13, w2)
     assert not skinny_moe.applies(torch.zeros(3, 32, dtype=torch.bfloat16, device="cuda"), w13, w2)
     assert not skinny_moe.applies(x.float(), w13.float(), w2.float())
-    monkeypatch.setenv("PAGEDLLM_MOE_SKINNY_TOKENS", "0")
+    monkeypatch.setattr(skinny_moe, "MAX_TOKENS", 0)  # PAGEDLLM_MOE_SKINNY_TOKENS=0
     assert not skinny_moe.applies(x, w13, w2)
 
 

@@ -42,19 +42,19 @@ SMALL_WEIGHT = 1 << 20  # values (the 128-expert router's 2048 x 128 is a quarte
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def max_rows() -> int:
-    return int(os.environ.get("PAGEDLLM_SKINNY_MAX_ROWS", DEFAULT_MAX_ROWS))
+# read once: applies() runs for every dense product of an eager step
+MAX_ROWS = int(os.environ.get("PAGEDLLM_SKINNY_MAX_ROWS", DEFAULT_MAX_ROWS))
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear` takes this product: a CUDA input in the weight's 16-bit
-    dtype of one row (or up to max_rows() for a small weight), unit stride along K on both
+    dtype of one row (or up to MAX_ROWS for a small weight), unit stride along K on both
     sides, K and the weight's row stride multiples of 8 (16-byte rows)."""
     if triton is None or not x.is_cuda or x.dtype not in _DTYPES or weight.dtype != x.dtype:
         return False
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    limit = max_rows()
+    limit = MAX_ROWS
     if limit < 1 or rows < 1 or (rows > 1 and (rows > limit or weight.numel() > SMALL_WEIGHT)):
         return False
     return (weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1 and k % 8 == 0

@@ -27,7 +27,7 @@ Here a token's k experts take two kernels:
 The result differs from the fused path's only in rounding: that path rounds each
 expert's weighted row to the output dtype before summing the k rows.
 
-Used for steps of up to max_tokens() tokens (PAGEDLLM_MOE_SKINNY_TOKENS, default 2; 0 off)
+Used for steps of up to MAX_TOKENS tokens (PAGEDLLM_MOE_SKINNY_TOKENS, default 2; 0 off)
 of bf16/fp16 experts stored as floats (MXFP4 experts keep the fused path), outside the
 batch-invariant mode."""
 
@@ -49,18 +49,19 @@ DEFAULT_MAX_TOKENS = 2  # H100, gpu-moe: +1.6% at 2 sequences, -4.3% at 4 (the f
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
-def max_tokens() -> int:
-    return int(os.environ.get("PAGEDLLM_MOE_SKINNY_TOKENS", DEFAULT_MAX_TOKENS))
+# read once: applies() and launch_config() run for every MoE layer of an eager step
+MAX_TOKENS = int(os.environ.get("PAGEDLLM_MOE_SKINNY_TOKENS", DEFAULT_MAX_TOKENS))
+_CONFIG_OVERRIDE = os.environ.get("PAGEDLLM_MOE_SKINNY_CONFIG")  # "gBN,gBK,dBN,dBK" (benchmarks)
 
 
 def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether a step of `x` [T, H] takes these kernels: 1 <= T <= max_tokens(), on CUDA,
+    """Whether a step of `x` [T, H] takes these kernels: 1 <= T <= MAX_TOKENS, on CUDA,
     float experts in x's 16-bit dtype with unit stride
     along their last dimension."""
     if triton is None or not x.is_cuda or x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         return False
     tokens = x.shape[0]
-    return (0 < tokens <= max_tokens() and x.stride(-1) == 1 and w13.stride(-1) == 1
+    return (0 < tokens <= MAX_TOKENS and x.stride(-1) == 1 and w13.stride(-1) == 1
             and w2.stride(-1) == 1)
 
 
@@ -71,9 +72,8 @@ def launch_config(hidden: int, inter: int) -> dict:
     PAGEDLLM_MOE_SKINNY_CONFIG="gBN,gBK,dBN,dBK" overrides (benchmarks)."""
     cfg = {"gate_bn": 4 if inter >= 512 else 2, "gate_bk": min(1024, triton.next_power_of_2(max(hidden, 64))),
            "down_bn": 1, "down_bk": min(128, triton.next_power_of_2(max(inter, 64))), "num_warps": 4}
-    env = os.environ.get("PAGEDLLM_MOE_SKINNY_CONFIG")
-    if env:
-        gbn, gbk, dbn, dbk = (int(v) for v in env.split(","))
+    if _CONFIG_OVERRIDE:
+        gbn, gbk, dbn, dbk = (int(v) for v in _CONFIG_OVERRIDE.split(","))
         cfg.update(gate_bn=gbn, gate_bk=gbk, down_bn=dbn, down_bk=dbk)
     return cfg
 
