@@ -251,7 +251,10 @@ long|long-fi)
     # long-fi: the same with prefills through FlashInfer (.whl-fi carried), after its GPU
     # tests; a warm-up run builds its kernels. STEPS picks (default all): tests ttft
     # 128k many, attn (the attention tests), capN / hcapN (gpu-long at
-    # --max-prefill-tokens-with-decodes N; hcap: HF in the same run).
+    # --max-prefill-tokens-with-decodes N; hcap: HF in the same run), chunkN / pagedN (the
+    # 32k TTFT at --max-num-batched-tokens N, pagedllm alone; paged: FlashInfer's ragged
+    # prefill off, PAGEDLLM_FLASHINFER_RAGGED=0). LONG_ARGS: more engine arguments for the
+    # ttft, 128k and many runs.
     warm=0 STEPS=${STEPS:-tests ttft 128k many}
     if [[ $1 == long-fi ]]; then
         install_flashinfer
@@ -261,12 +264,12 @@ long|long-fi)
         warm=1
     fi
     [[ $STEPS == *ttft* ]] && timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \
-        --workload gpu-long-ttft --backend both --repeats 3 --warmup $warm \
+        --workload gpu-long-ttft --backend both --repeats 3 --warmup $warm ${LONG_ARGS:-} \
         --output-json "$OUT/gpu-long-ttft.json" 2>&1 | tail -6
     [[ $STEPS == *128k* ]] && timeout "$(cap 180)" python3 -m pagedllm.entrypoints.bench throughput \
-        --workload gpu-long-128k --warmup 0 --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
+        --workload gpu-long-128k --warmup 0 ${LONG_ARGS:-} --output-json "$OUT/gpu-long-128k.json" 2>&1 | tail -4
     [[ $STEPS == *many* ]] && timeout "$(cap 400)" python3 -m pagedllm.entrypoints.bench throughput \
-        --workload gpu-long --backend both --warmup $warm --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
+        --workload gpu-long --backend both --warmup $warm ${LONG_ARGS:-} --output-json "$OUT/gpu-long.json" 2>&1 | tail -6
     # capN: gpu-long (no warm-up run) per cap on a step's prompt tokens beside decodes;
     # hcapN: the same with HF generate in the run; attn: the attention kernels' tests first
     for c in $STEPS; do
@@ -276,6 +279,10 @@ long|long-fi)
             throughput --workload gpu-long --warmup 0 --max-prefill-tokens-with-decodes "${c#*cap}" \
             --backend "$([[ $c == h* ]] && echo both || echo pagedllm)" \
             --output-json "$OUT/gpu-long-$c.json" 2>&1 | tail -5
+        [[ $c == chunk* || $c == paged* ]] && PAGEDLLM_FLASHINFER_RAGGED=$([[ $c == paged* ]] && echo 0 || echo 1) \
+            timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long-ttft \
+            --repeats 3 --warmup $warm --max-num-batched-tokens "${c//[a-z]/}" \
+            --output-json "$OUT/gpu-long-ttft-$c.json" 2>&1 | tail -3
     done
     summary "$OUT"/gpu-long*.json
     ;;

@@ -18,9 +18,17 @@ its kernels on first use (a minute or so, cached under ~/.cache/flashinfer). The
 is the engine's memory-profiling step at start-up, a full-budget prefill: the kernels are
 built before the first request, and the workspace (WORKSPACE_BYTES) is part of the peak the
 KV pool is sized from.
+
+A step whose prefill sequences have no cached tokens before their chunk (a prompt read in
+one step, or the first chunk of a longer one) has its keys and values at hand in the step's
+own rows: those go to FlashInfer's ragged prefill over the contiguous rows (dense loads,
+no page gathers) instead of the paged one. PAGEDLLM_FLASHINFER_RAGGED=0 keeps every
+prefill on the paged kernel (the A/B of benchmarks/gpu_run.sh long-fi).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -37,20 +45,41 @@ def flashinfer_available() -> bool:
     return True
 
 
+def _ragged_enabled() -> bool:
+    raw = os.environ.get("PAGEDLLM_FLASHINFER_RAGGED", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"PAGEDLLM_FLASHINFER_RAGGED={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
 class _Plan:
     """One step's FlashInfer prefill plan: the wrapper, planned for that step's prefill
-    sequences, and the rows they occupy."""
+    sequences, the rows they occupy, and whether it reads the rows' own K/V (ragged)."""
 
-    def __init__(self, wrapper, key: tuple, meta: AttentionMetadata, rows: tuple[int, int]):
-        self.wrapper, self.key, self.meta, self.rows = wrapper, key, meta, rows
+    def __init__(self, wrapper, key: tuple, meta: AttentionMetadata, rows: tuple[int, int],
+                 ragged: bool = False):
+        self.wrapper, self.key, self.meta, self.rows, self.ragged = wrapper, key, meta, rows, ragged
 
 
 class FlashInferPrefillAttention(TritonPagedAttention):
     name = "flashinfer"
     WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (its split-KV partial sums)
     HEAD_DIMS = (64, 128, 256)
+    RAGGED = _ragged_enabled()
+    _workspaces: dict[torch.device, torch.Tensor] = {}
     _wrappers: dict[torch.device, object] = {}
+    _ragged_wrappers: dict[torch.device, object] = {}
+    _paged_built: set[tuple] = set()  # plan keys the paged kernel has been built for
     _plan: _Plan | None = None
+
+    @classmethod
+    def _workspace(cls, device: torch.device) -> torch.Tensor:
+        """The float workspace the paged and the ragged wrapper share: one step runs one
+        of them, and each plans again before it runs."""
+        w = cls._workspaces.get(device)
+        if w is None:
+            w = cls._workspaces[device] = torch.empty(cls.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return w
 
     @classmethod
     def _wrapper(cls, device: torch.device):
@@ -58,10 +87,26 @@ class FlashInferPrefillAttention(TritonPagedAttention):
         if w is None:
             import flashinfer
 
-            workspace = torch.empty(cls.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             w = cls._wrappers[device] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                workspace, "NHD", backend="auto")  # FA3 on Hopper, FA2 elsewhere
+                cls._workspace(device), "NHD", backend="auto")  # FA3 on Hopper, FA2 elsewhere
         return w
+
+    @classmethod
+    def _ragged_wrapper(cls, device: torch.device):
+        w = cls._ragged_wrappers.get(device)
+        if w is None:
+            import flashinfer
+
+            w = cls._ragged_wrappers[device] = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                cls._workspace(device), "NHD", backend="auto")
+        return w
+
+    @staticmethod
+    def fresh_prompts(meta: AttentionMetadata) -> bool:
+        """Whether every prefill sequence of the step has no cached tokens before its chunk
+        (its keys are exactly its rows this step)."""
+        nd = meta.num_decode
+        return bool(np.array_equal(np.asarray(meta.host_q_len[nd:]), np.asarray(meta.host_ctx_len[nd:])))
 
     @classmethod
     def usable(cls, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, plain: bool) -> bool:
@@ -96,26 +141,47 @@ class FlashInferPrefillAttention(TritonPagedAttention):
         if plan is not None and plan.meta is meta and plan.key == key:
             return plan
         qo, kv_indptr, kv_indices, last = cls.plan_arrays(meta, k_cache.shape[1])
+        first = int(meta.host_q_start[meta.num_decode])
+        rows = (first, first + int(qo[-1]))
+        if cls.RAGGED and cls.fresh_prompts(meta):  # keys = the rows: qo offsets serve both
+            wrapper = cls._ragged_wrapper(q.device)
+            wrapper.plan(torch.from_numpy(qo), torch.from_numpy(qo), q.shape[1], k_cache.shape[2], q.shape[2],
+                         causal=True, sm_scale=scale, q_data_type=q.dtype, kv_data_type=q.dtype)
+            cls._plan = plan = _Plan(wrapper, key, meta, rows, ragged=True)
+            if key not in cls._paged_built:
+                # The start-up profiling step reads fresh prompts only: plan a one-page
+                # batch on the paged wrapper too, so that its kernel is built now and not
+                # in the middle of serving, at the first chunk after a cached prefix.
+                one = np.array([0, 1], dtype=np.int32)
+                cls._plan_paged(q, k_cache, scale, key, one, one, np.zeros(1, dtype=np.int32),
+                                np.ones(1, dtype=np.int32))
+            return plan
+        wrapper = cls._plan_paged(q, k_cache, scale, key, qo, kv_indptr, kv_indices, last)
+        cls._plan = plan = _Plan(wrapper, key, meta, rows)
+        return plan
+
+    @classmethod
+    def _plan_paged(cls, q, k_cache, scale: float, key: tuple, qo, kv_indptr, kv_indices, last):
         wrapper = cls._wrapper(q.device)
         wrapper.plan(torch.from_numpy(qo), torch.from_numpy(kv_indptr),
                      torch.from_numpy(kv_indices).to(q.device, non_blocking=True), torch.from_numpy(last),
                      q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], causal=True,
                      sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        first = int(meta.host_q_start[meta.num_decode])
-        cls._plan = plan = _Plan(wrapper, key, meta, (first, first + int(qo[-1])))
-        return plan
+        cls._paged_built.add(key)
+        return wrapper
 
     @classmethod
-    def _prefill(cls, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, args: tuple,
+    def _prefill(cls, q, k, v, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, args: tuple,
                  common: dict, slopes, plain: bool) -> None:
         if not cls.usable(q, k_cache, meta, plain):
-            return super()._prefill(q, k_cache, v_cache, out, meta, scale, args, common, slopes, plain)
+            return super()._prefill(q, k, v, k_cache, v_cache, out, meta, scale, args, common, slopes, plain)
         plan = cls._planned(q, k_cache, meta, scale)
         lo, hi = plan.rows
-        # q is a view of the fused qkv output (rows strided by q, k and v): FlashInfer
-        # takes rows of contiguous heads, so the prefill rows are copied once.
+        # q, k and v are views of the fused qkv output (rows strided by q, k and v):
+        # FlashInfer takes rows of contiguous heads, so the prefill rows are copied once.
+        kv = ((k[lo:hi].contiguous(), v[lo:hi].contiguous()) if plan.ragged else ((k_cache, v_cache),))
         rows = out[lo:hi]
         if rows.is_contiguous():
-            plan.wrapper.run(q[lo:hi].contiguous(), (k_cache, v_cache), out=rows)
+            plan.wrapper.run(q[lo:hi].contiguous(), *kv, out=rows)
         else:
-            rows.copy_(plan.wrapper.run(q[lo:hi].contiguous(), (k_cache, v_cache)))
+            rows.copy_(plan.wrapper.run(q[lo:hi].contiguous(), *kv))

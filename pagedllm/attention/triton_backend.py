@@ -578,16 +578,18 @@ class TritonPagedAttention:
             cls._split_launch(args, (meta.q_start, meta.q_start), slopes, out, meta, common, launch,
                               meta.num_decode, hkv, splits, 1, block_m, True)
         if meta.num_prefill_tiles:
-            cls._prefill(q, k_cache, v_cache, out, meta, scale, args, common, slopes,
+            cls._prefill(q, k, v, k_cache, v_cache, out, meta, scale, args, common, slopes,
                          plain=(alibi_slopes is None and sliding_window is None and logits_soft_cap is None
                                 and sinks is None and causal))
         return out
 
     @classmethod
-    def _prefill(cls, q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, args: tuple,
+    def _prefill(cls, q, k, v, k_cache, v_cache, out, meta: AttentionMetadata, scale: float, args: tuple,
                  common: dict, slopes, plain: bool) -> None:
-        """The step's prefill rows (after its decodes) into `out`. `plain`: causal, with no
-        ALiBi, window, soft-cap or sinks (what a subclass's other kernel may need)."""
+        """The step's prefill rows (after its decodes) into `out`, from the pages (this
+        step's k and v are already written there; a subclass may read them directly).
+        `plain`: causal, with no ALiBi, window, soft-cap or sinks (what a subclass's other
+        kernel may need)."""
         tq, hkv = meta.prefill_tile_q, k_cache.shape[2]
         splits = 1
         if not common["WINDOW"]:  # few tiles (a small chunk after a long prefix): split keys
