@@ -249,7 +249,7 @@ long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
     # in the same run), 16 x (32,000 in, 128 out) against HF generate, a 128k prompt.
     # long-fi: the same with prefills through FlashInfer (.whl-fi carried), after its GPU
-    # tests; a warm-up run builds its kernels. STEPS picks (default all): tests ttft
+    # tests (FI_K: a -k filter; each head dim builds kernels); a warm-up run builds its kernels. STEPS picks (default all): tests ttft
     # 128k many, attn (the attention tests), capN / hcapN (gpu-long at
     # --max-prefill-tokens-with-decodes N; hcap: HF in the same run), chunkN / pagedN (the
     # 32k TTFT at --max-num-batched-tokens N, pagedllm alone; paged: FlashInfer's ragged
@@ -259,7 +259,7 @@ long|long-fi)
     if [[ $1 == long-fi ]]; then
         install_flashinfer
         [[ $STEPS == *tests* ]] && timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu \
-            tests/test_flashinfer_attention.py 2>&1 | tail -3
+            tests/test_flashinfer_attention.py ${FI_K:+-k "$FI_K"} 2>&1 | tail -3
         export PAGEDLLM_ATTENTION_BACKEND=flashinfer
         warm=1
     fi
