@@ -7,6 +7,7 @@ first token against HF (gpu-long-ttft), an embedding batch against sentence-tran
     python benchmarks/profile_kernels.py --workload gpu-long-ttft [--top 25] [--json F]
     python benchmarks/profile_kernels.py --embed [--num-inputs 2048 --input-len 256]
     python benchmarks/profile_kernels.py --workload gpu-7b --lora 16   (where one adapter's time goes)
+    python benchmarks/profile_kernels.py --workload trt-8b-2k --num-prompts 512 --output-len 256 --max-num-seqs 512
 
 The first form runs a BENCHMARKS.md workload (dummy weights, its prompts); the second,
 embed_bench.py's Qwen3-0.6B-shape pooling checkpoint. One warm-up run, then one profiled.
@@ -45,15 +46,23 @@ def _generate_run(args):
         path = write_adapters(tempfile.mkdtemp(prefix="pagedllm-profile-lora-"), config, 1, args.lora)[0]
         adapter = LoRARequest("adapter0", 1, path)
         lora_kw = dict(enable_lora=True, max_loras=1, max_lora_rank=args.lora)
+    engine_kw = dict(lora_kw)  # the workload's own FP8 weights / pages (trt-8b-*), its batch cap
+    if w.quantization is not None:
+        engine_kw["quantization"] = w.quantization
+    if w.kv_cache_dtype != "auto":
+        engine_kw["kv_cache_dtype"] = w.kv_cache_dtype
+    if args.max_num_seqs:
+        engine_kw["max_num_seqs"] = args.max_num_seqs
     llm = LLM(model=write_arch_config(config), load_format="dummy", dtype=w.dtype,
               skip_tokenizer_init=True, device=args.device,
-              enable_prefix_caching=False, **lora_kw)  # the profiled run must recompute the prompt
+              enable_prefix_caching=False, **engine_kw)  # the profiled run must recompute the prompt
     vocab = llm.engine.executor.vocab_size
     num = args.num_prompts or w.num_prompts
     lo, hi = w.input_range
     if args.input_len:
         lo = hi = args.input_len
-    data = random_dataset(num, (lo, hi), w.output_range, vocab, 0)
+    out = (args.output_len, args.output_len) if args.output_len else w.output_range
+    data = random_dataset(num, (lo, hi), out, vocab, 0)
     prompts = [{"prompt_token_ids": p} for p in data.prompts]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0) for n in data.output_lens]
     return lambda: llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
@@ -80,6 +89,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--num-inputs", type=int, default=2048)
     ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="the engine's cap on running sequences")
     ap.add_argument("--num-hidden-layers", type=int, default=None, help="fewer layers (smoke runs)")
     ap.add_argument("--lora", type=int, default=None, metavar="RANK",
                     help="every prompt through one random adapter of this rank (Llama-shaped workloads)")
