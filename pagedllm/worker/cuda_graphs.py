@@ -19,6 +19,7 @@ carry decodes and capped prompt chunks have theirs too (MixedGraphs; PAGEDLLM_MI
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -28,6 +29,19 @@ from pagedllm.attention import AttentionMetadata, long_decode
 from pagedllm.config import env_flag
 
 logger = logging.getLogger(__name__)
+
+
+def max_graph_batch() -> int:
+    """Decode steps of up to this many sequences replay graphs; larger ones run eagerly.
+    PAGEDLLM_MAX_GRAPH_BATCH (default 256) sets it. Each captured size keeps its logits
+    alive (one size's rows x the vocabulary), so capturing up to 512 sequences costs
+    several times the memory of 256 (2 GB and more at a 128k vocabulary, taken from the
+    page pool), against eager steps beyond 256 (TensorRT-LLM's trt-8b rows run 512
+    sequences). Not yet measured either way on a GPU."""
+    raw = os.environ.get("PAGEDLLM_MAX_GRAPH_BATCH", "256")
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 1024:
+        raise ValueError(f"PAGEDLLM_MAX_GRAPH_BATCH={raw!r}: expected an integer from 1 to 1024")
+    return int(raw)
 
 
 def mixed_graph_chunks(prefill_cap: int | None, paced: bool = False) -> list[int]:

@@ -36,7 +36,13 @@ from pagedllm.model_executor.loader import ModelSource, load_model
 from pagedllm.pooling_params import PoolingParams, dense_folders, st_modules
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.block_table import BlockTables
-from pagedllm.worker.cuda_graphs import DecodeGraphs, MixedGraphs, VerifyGraphs, mixed_graph_chunks
+from pagedllm.worker.cuda_graphs import (
+    DecodeGraphs,
+    MixedGraphs,
+    VerifyGraphs,
+    max_graph_batch,
+    mixed_graph_chunks,
+)
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
 
@@ -330,7 +336,7 @@ class ModelRunner:
                              and getattr(self.backend, "splits_long_decodes", False)
                              and env_flag("PAGEDLLM_LONG_DECODE_GRAPHS", default=True))
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.device,
-                                       min(max_num_seqs, 256), max_blocks,
+                                       min(max_num_seqs, max_graph_batch()), max_blocks,
                                        self.lora.batch if self.lora is not None else None, long_variants)
             spec = self.config.speculative_config
             # Verify steps run the prefill path; they stay eager with LoRA (its rows would
