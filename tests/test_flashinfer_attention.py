@@ -9,6 +9,9 @@ reuse of a stale plan shows up as a mismatch with the torch reference backend). 
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +163,30 @@ def test_fresh_prompts_read_their_own_rows(monkeypatch, ragged):
     assert (rag.plans, paged.plans) == ((1, 1) if ragged else (0, 1))
     if ragged:  # a one-page, one-token batch: only there to build the kernel
         assert paged.args[0].tolist() == [0, 1] and paged.args[3].tolist() == [1]
+
+
+def test_wrappers_share_one_workspace_per_device(monkeypatch):
+    """The paged and the ragged wrapper are made once per device, NHD, over one workspace
+    (what the start-up profile counts once)."""
+    made = []
+
+    class Wrapper:
+        def __init__(self, workspace, layout, backend):
+            made.append((type(self).__name__, workspace, layout, backend))
+
+    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=type("Paged", (Wrapper,), {}),
+                                 BatchPrefillWithRaggedKVCacheWrapper=type("Ragged", (Wrapper,), {}))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    for name in ("_workspaces", "_wrappers", "_ragged_wrappers"):
+        monkeypatch.setattr(FlashInferPrefillAttention, name, {})
+    monkeypatch.setattr(FlashInferPrefillAttention, "WORKSPACE_BYTES", 64)
+    dev = torch.device("cpu")
+    paged, ragged = FlashInferPrefillAttention._wrapper(dev), FlashInferPrefillAttention._ragged_wrapper(dev)
+    assert FlashInferPrefillAttention._wrapper(dev) is paged
+    assert FlashInferPrefillAttention._ragged_wrapper(dev) is ragged
+    assert [m[0] for m in made] == ["Paged", "Ragged"]
+    assert made[0][1] is made[1][1] and made[0][1].numel() == 64
+    assert all(m[2:] == ("NHD", "auto") for m in made)
 
 
 def test_unusable_launches_take_the_triton_prefill():

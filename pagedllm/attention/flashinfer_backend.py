@@ -82,24 +82,23 @@ class FlashInferPrefillAttention(TritonPagedAttention):
         return w
 
     @classmethod
-    def _wrapper(cls, device: torch.device):
-        w = cls._wrappers.get(device)
+    def _made(cls, wrappers: dict, kind: str, device: torch.device):
+        """The device's FlashInfer wrapper of class `kind` (made on first use; backend
+        "auto": FA3 on Hopper, FA2 elsewhere)."""
+        w = wrappers.get(device)
         if w is None:
             import flashinfer
 
-            w = cls._wrappers[device] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                cls._workspace(device), "NHD", backend="auto")  # FA3 on Hopper, FA2 elsewhere
+            w = wrappers[device] = getattr(flashinfer, kind)(cls._workspace(device), "NHD", backend="auto")
         return w
 
     @classmethod
-    def _ragged_wrapper(cls, device: torch.device):
-        w = cls._ragged_wrappers.get(device)
-        if w is None:
-            import flashinfer
+    def _wrapper(cls, device: torch.device):
+        return cls._made(cls._wrappers, "BatchPrefillWithPagedKVCacheWrapper", device)
 
-            w = cls._ragged_wrappers[device] = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                cls._workspace(device), "NHD", backend="auto")
-        return w
+    @classmethod
+    def _ragged_wrapper(cls, device: torch.device):
+        return cls._made(cls._ragged_wrappers, "BatchPrefillWithRaggedKVCacheWrapper", device)
 
     @staticmethod
     def fresh_prompts(meta: AttentionMetadata) -> bool:
