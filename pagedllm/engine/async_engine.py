@@ -202,8 +202,8 @@ class AsyncLLM:
         try:
             for req in requests:
                 self.client.send(AddRequest(req))
-        except RuntimeError:  # the core is gone; its death is being reported
-            self._end(EngineDeadError("the engine stopped: its core is not running"))
+        except RuntimeError:  # the core is gone: the same death its watcher reports
+            self._on_core_death(self.client.exit_reason())
         if self._dead is not None:  # it stopped meanwhile: nobody else will answer
             self._deliver(request_id, self._dead)
         finished = False

@@ -335,12 +335,15 @@ class MPClient:
 
     def _watch(self) -> None:
         wait([self.proc.sentinel])
-        self.proc.join(timeout=1)  # for its exit code
         if not self._stopping:
             self._on_death(self.exit_reason())
 
     def exit_reason(self) -> str:
-        """Why the core is gone, for clients and the log (its exit code, once reaped)."""
+        """Why the core is gone, for clients and the log: its exit code. A request can find
+        the core gone (its send fails) a moment before the process is reaped, so this
+        waits up to a second for the code."""
+        if self.proc.exitcode is None:
+            self.proc.join(timeout=1)
         return f"the engine core process exited (exit code {self.proc.exitcode})"
 
     def send(self, cmd: CoreCommand) -> None:
