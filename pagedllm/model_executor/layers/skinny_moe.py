@@ -45,7 +45,9 @@ try:
 except ImportError:  # CPU-only installs never launch it
     triton = None
 
-DEFAULT_MAX_TOKENS = 2  # H100, gpu-moe: +1.6% at 2 sequences, -4.3% at 4 (the fused path's tiles win)
+# H100, gpu-moe: at 2 sequences +1.6% (a0e1b8c) and +4.1% with the final tiles (40803d5);
+# at 4, -4.3% (the fused path's tiles win)
+DEFAULT_MAX_TOKENS = 2
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
