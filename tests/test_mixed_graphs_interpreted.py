@@ -6,6 +6,7 @@ also fills the decodes' input tokens on the device."""
 from __future__ import annotations
 
 import pytest
+import torch
 from interpreted import run_interpreted
 
 from pagedllm.worker import cuda_graphs
@@ -42,3 +43,15 @@ def test_graph_batch_cap_reads_its_switch(monkeypatch):
         monkeypatch.setenv("PAGEDLLM_MAX_GRAPH_BATCH", bad)
         with pytest.raises(ValueError, match="PAGEDLLM_MAX_GRAPH_BATCH"):
             cuda_graphs.max_graph_batch()
+
+
+def test_graph_sizes_share_one_output_buffer():
+    """Every size's output is a view of the largest's rows (one buffer, not one per size);
+    a larger output after the first would leave earlier graphs writing elsewhere: refused."""
+    shared = cuda_graphs.SharedOutput()
+    big = shared.keep(torch.arange(12.0).reshape(4, 3))
+    small = shared.keep(torch.full((2, 3), 7.0))
+    assert small.data_ptr() == big.data_ptr() == shared.buf.data_ptr()
+    assert shared.buf[:2].eq(7).all() and shared.buf[2:].eq(torch.arange(6.0, 12).reshape(2, 3)).all()
+    with pytest.raises(RuntimeError, match="largest first"):
+        shared.keep(torch.zeros(5, 3))

@@ -19,13 +19,15 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.worker import cuda_graphs
 
 
-def _replayed_capture(sizes, device, forward, before=None, pool=None):
+def _replayed_capture(sizes, device, forward, before=None, pool=None, shared=None):
+    """Largest first into one shared output buffer, as the real capture."""
+    shared = cuda_graphs.SharedOutput() if shared is None else shared
     graphs, outputs = {}, {}
-    for size in sizes:
+    for size in reversed(sizes):
         if before is not None:
             before(size)
-        outputs[size] = forward(size)
-        graphs[size] = SimpleNamespace(replay=lambda size=size: outputs[size].copy_(forward(size)),
+        outputs[size] = shared.keep(forward(size))
+        graphs[size] = SimpleNamespace(replay=lambda size=size: shared.keep(forward(size)),
                                        pool=lambda: None)
     return graphs, outputs
 

@@ -33,11 +33,11 @@ logger = logging.getLogger(__name__)
 
 def max_graph_batch() -> int:
     """Decode steps of up to this many sequences replay graphs; larger ones run eagerly.
-    PAGEDLLM_MAX_GRAPH_BATCH (default 256) sets it. Each captured size keeps its logits
-    alive (one size's rows x the vocabulary), so capturing up to 512 sequences costs
-    several times the memory of 256 (2 GB and more at a 128k vocabulary, taken from the
-    page pool), against eager steps beyond 256 (TensorRT-LLM's trt-8b rows run 512
-    sequences). Not yet measured either way on a GPU."""
+    PAGEDLLM_MAX_GRAPH_BATCH (default 256) sets it. The sizes share one logits buffer
+    (SharedOutput) and one memory pool, so capturing up to 512 costs start-up time (16
+    more graphs) rather than memory; what it saves is the host's launches of steps of
+    257-512 sequences (TensorRT-LLM's trt-8b rows run 512), which a step that long may
+    already hide behind the device's work."""
     raw = os.environ.get("PAGEDLLM_MAX_GRAPH_BATCH", "256")
     if not raw.strip().isdigit() or not 1 <= int(raw) <= 1024:
         raise ValueError(f"PAGEDLLM_MAX_GRAPH_BATCH={raw!r}: expected an integer from 1 to 1024")
@@ -116,22 +116,44 @@ class _GraphInputs:
             done.record()
 
 
-def _capture(sizes: list[int], device: torch.device, forward: Callable[[int], torch.Tensor],
-             before: Callable[[int], None] | None = None, pool=None) -> tuple[dict, dict]:
+class SharedOutput:
+    """One output buffer for a set of graphs: each graph copies its logits into the first
+    rows. A graph's own output stays allocated as long as the graph may be replayed, so
+    without it every captured size would keep its rows x vocabulary alive (some 2 GB over
+    the sizes up to 512 at a 128k vocabulary, taken from the page pool); with it the sizes
+    keep one buffer of the largest, and the copy costs a few microseconds a step. The
+    first (largest) warm-up run sizes it."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def keep(self, out: torch.Tensor) -> torch.Tensor:
+        if self.buf is None:
+            self.buf = torch.empty_like(out)
+        elif self.buf.shape[0] < out.shape[0]:  # earlier graphs already write into this one
+            raise RuntimeError("graphs sharing an output must be captured largest first")
+        return self.buf[: out.shape[0]].copy_(out)
+
+
+def _capture(sizes: list, device: torch.device, forward: Callable[..., torch.Tensor],
+             before: Callable[..., None] | None = None, pool=None,
+             shared: SharedOutput | None = None) -> tuple[dict, dict]:
     """One graph of `forward(size)` per size, largest first so that the smaller ones reuse
     its memory pool (or `pool`, another set's); each size runs twice outside the capture to
-    compile its kernels and settle allocations."""
-    graphs: dict[int, torch.cuda.CUDAGraph] = {}
-    outputs: dict[int, torch.Tensor] = {}
+    compile its kernels and settle allocations. The outputs go into `shared` (a new one if
+    None: see SharedOutput)."""
+    shared = SharedOutput() if shared is None else shared
+    graphs: dict = {}
+    outputs: dict = {}
     for size in reversed(sizes):
         if before is not None:
             before(size)
         for _ in range(2):
-            forward(size)
+            shared.keep(forward(size))
         torch.cuda.synchronize(device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool):
-            outputs[size] = forward(size)
+            outputs[size] = shared.keep(forward(size))
         pool = g.pool()
         graphs[size] = g
     torch.cuda.synchronize(device)
@@ -194,18 +216,19 @@ class DecodeGraphs(_StepGraphs):
             ids, pos = self.inputs.field("ids", size), self.inputs.field("pos", size)
             return model.compute_logits(model(ids, pos, kv_caches, self._meta(size, long)))
 
-        self.graphs, self.logits = _capture(self.sizes, device, forward, before)
+        shared = SharedOutput()
+        self.graphs, self.logits = _capture(self.sizes, device, forward, before, shared=shared)
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.long_logits: dict[int, torch.Tensor] = {}
         if long_variants:
-            # Into the first set's logits: each set keeps every size's output alive (a
-            # 152k vocabulary: some 0.7 GB over the sizes), and the two never run at once.
+            # Into the first set's logits buffer: the two sets never run at once.
             def forward_long(size: int) -> torch.Tensor:
-                return self.logits[size].copy_(forward(size, True))
+                return forward(size, True)
 
             try:
                 self.long_graphs, self.long_logits = _capture(
-                    self.sizes, device, forward_long, before, pool=self.graphs[self.sizes[0]].pool())
+                    self.sizes, device, forward_long, before, pool=self.graphs[self.sizes[0]].pool(),
+                    shared=shared)
             except Exception:  # the first set serves every step; such batches run unsplit
                 logger.warning("decode graphs for a long context among short ones were not captured; "
                                "such steps replay the ordinary decode graphs", exc_info=True)
@@ -358,17 +381,14 @@ class MixedGraphs(_StepGraphs):
         for h in self.inputs.hosts():  # nothing a warm-up run does writes a page
             self.inputs.field("slots", b + c, h)[:] = -1
             self.inputs.field("ctx", seqs, h)[:] = 1
-        self.out: torch.Tensor | None = None  # [b + p, vocab], shared by every graph
+        self.out = SharedOutput()  # [b + p, vocab], shared by every graph
         self.replays = 0  # steps served by a replay (the tests check that some were)
 
         def forward(key: tuple[int, int]) -> torch.Tensor:
             size, rows = key
             f = self.inputs.field
             hidden = model(f("ids", size + rows), f("pos", size + rows), kv_caches, self._meta(size, rows))
-            logits = model.compute_logits(hidden.index_select(0, f("sample", size + p)))
-            if self.out is None:  # the first (largest) size's warm-up run sizes it
-                self.out = torch.empty((b + p, logits.shape[-1]), dtype=logits.dtype, device=device)
-            return self.out[: size + p].copy_(logits)
+            return model.compute_logits(hidden.index_select(0, f("sample", size + p)))
 
         def before(key: tuple[int, int]) -> None:  # every row padding, laid out for this graph
             size, rows = key
@@ -380,7 +400,7 @@ class MixedGraphs(_StepGraphs):
             self.inputs.upload()
 
         keys = sorted(((s, r) for s in self.sizes for r in self.chunks), key=lambda k: (k[0] + k[1], k))
-        self.graphs, _ = _capture(keys, device, forward, before)
+        self.graphs, _ = _capture(keys, device, forward, before, shared=self.out)
 
     def _tiles(self, rows: int) -> int:
         return -(-rows // self.tile_q) + self.p + 1
@@ -475,4 +495,4 @@ class MixedGraphs(_StepGraphs):
             before_replay(self.inputs.field("ids", nd))
         self.graphs[(size, rows)].replay()
         self.replays += 1
-        return self.out.index_select(0, self.inputs.field("gather", len(gather)))
+        return self.out.buf.index_select(0, self.inputs.field("gather", len(gather)))
