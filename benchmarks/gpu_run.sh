@@ -12,7 +12,8 @@
 # quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine;
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
-# fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first);
+# fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
+#   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes);
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt; long-fi:
 #   the same with prefills through FlashInfer (carry .whl-fi), after its GPU tests;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
@@ -245,10 +246,14 @@ trt)
             --num-prompts 512 --output-len 256 --max-num-seqs "${MAX_SEQS:-512}" \
             --json "$OUT/profile-trt-8b-2k-nopdl.json" 2>&1 | grep -v "USDT\|Warning" | tail -20
     fi
+    # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json)
     for w in ${TRT_WORKLOADS:-trt-8b-1k trt-8b-2k}; do
-        timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench throughput --workload "$w" \
-            ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 \
-            --output-json "$OUT/$w.json" 2>&1 | tail -3
+        for g in ${TRT_GRAPHS:-default}; do
+            [[ $g == default ]] && tag="" || tag="-g$g"
+            env ${tag:+PAGEDLLM_MAX_GRAPH_BATCH=$g} timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
+                throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
+                --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+        done
     done
     summary "$OUT"/trt-8b-*.json
     ;;
