@@ -9,6 +9,7 @@ over a few launch settings. Each fp8 row is checked against the torch reference 
 same quantized pages first. Prints microseconds and the KV bytes read per second.
 
     python benchmarks/attn_decode_bench.py [--batch 256] [--ctx 512 2048] [--json F]
+        [--shapes llama3-8b] [--pages fp8] [--settings 128,4,2 256,4,2]
 """
 
 from __future__ import annotations
@@ -56,25 +57,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--ctx", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--pages", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--settings", nargs="+", default=None, metavar="BN,WARPS,STAGES",
+                    help="launch settings to sweep (default: the SETTINGS list)")
     args = ap.parse_args()
+    settings = [tuple(int(v) for v in x.split(",")) for x in args.settings] if args.settings else SETTINGS
     backend = TritonPagedAttention
     defaults = (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE,
                 backend.DECODE_ROWS, backend.DECODE_ROWS_LAUNCH)
     rows = []
     print(f"decode attention, batch {args.batch}, page {PAGE} ({torch.cuda.get_device_name()})")
     print(f"{'shape':10s} {'ctx':>5s} {'pages':6s} {'compute':7s} {'BN,w,s':9s} {'us':>8s} {'GB/s':>7s} {'err':>8s}")
-    for name, (hq, hkv, dim) in SHAPES.items():
+    for name in args.shapes:
+        hq, hkv, dim = SHAPES[name]
         for ctx in args.ctx:
             # "rows": _decode_rows_kernel (float32 sums on the CUDA cores; one query per KV head)
             rows_kernel = ("rows",) if hq == hkv else ()
             for pages, computes in (("bf16", ("bf16", *rows_kernel)), ("fp8", ("fp16", "bf16", *rows_kernel))):
+                if pages not in args.pages:
+                    continue
                 q, k, kc, vc, meta = build(hq, hkv, dim, args.batch, ctx, pages == "fp8")
                 kv_bytes = 2 * args.batch * ctx * hkv * dim * kc.element_size()
                 want = None
                 for compute in computes:
                     backend.DECODE_ROWS = "rows" if compute == "rows" else "dot"
                     backend.FP8_COMPUTE = "fp16" if compute == "rows" else compute
-                    for bn, warps, stages in SETTINGS:
+                    for bn, warps, stages in settings:
                         launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
                         backend.DECODE_LAUNCH = backend.DECODE_LAUNCH_FP8 = backend.DECODE_ROWS_LAUNCH = launch
 

@@ -13,7 +13,7 @@
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
-#   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes);
+#   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_ATTN=1: an fp8 decode attention sweep);
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt; long-fi:
 #   the same with prefills through FlashInfer (carry .whl-fi), after its GPU tests;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
@@ -245,6 +245,13 @@ trt)
         PAGEDLLM_PDL=0 timeout "$(cap 200)" python3 benchmarks/profile_kernels.py --workload trt-8b-2k \
             --num-prompts 512 --output-len 256 --max-num-seqs "${MAX_SEQS:-512}" \
             --json "$OUT/profile-trt-8b-2k-nopdl.json" 2>&1 | grep -v "USDT\|Warning" | tail -20
+    fi
+    # TRT_ATTN=1: decode attention over fp8 pages on the Llama-3.1-8B shape at 512 sequences
+    # (1,024 and 2,048 keys) per launch setting, against the default (128, 4, 2)
+    if [[ ${TRT_ATTN:-0} != 0 ]]; then
+        timeout "$(cap 120)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx 1024 2048 \
+            --shapes llama3-8b --pages fp8 --settings 128,4,2 128,4,3 128,4,4 256,4,2 256,8,2 256,8,3 \
+            128,2,2 64,2,2 128,8,2 --json "$OUT/attn-decode-trt.json" 2>&1 | tail -40
     fi
     # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json)
     for w in ${TRT_WORKLOADS:-trt-8b-1k trt-8b-2k}; do
