@@ -1,0 +1,67 @@
+"""benchmarks/gpu_run.sh, the script every device call runs: a typo in it costs a scarce
+device call, so its parsing and its switches are checked here, on the CPU, with `python3`
+stood in for by a stub that logs each call's switches and arguments instead of running."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_run.sh"
+
+
+def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
+    """Run a part with a logging stub as python3; the stub's log lines (one per call)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    log = tmp_path / "calls.log"
+    stub = bin_dir / "python3"
+    stub.write_text('#!/usr/bin/env bash\n'
+                    'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} '
+                    'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} $*" >> "$CALLS_LOG"\n'
+                    'cat > /dev/null  # a here-document, if any\n')
+    stub.chmod(0o755)
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log),
+            "OUT": str(tmp_path / "out"), "BUDGET_S": "300", **env}
+    res = subprocess.run(["bash", str(SCRIPT), part], env=full, capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_script_parses_and_every_listed_part_has_a_branch():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    text = SCRIPT.read_text()
+    listed = re.search(r"#\s+bash benchmarks/gpu_run.sh (\S+)", text).group(1).split("|")
+    labels = {p for line in re.findall(r"^([a-z0-9|-]+)\)$", text, re.M) for p in line.split("|")}
+    assert len(listed) > 20 and not set(listed) - labels, set(listed) - labels
+
+
+def test_trt_runs_each_workload_per_graph_cap(tmp_path):
+    calls = _dry_run(tmp_path, "trt", TRT_WORKLOADS="trt-8b-2k", TRT_GRAPHS="256 512", TRT_ATTN="1",
+                     NUM_PROMPTS="100")
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2, calls
+    for cap, run in zip(("256", "512"), runs, strict=True):
+        assert run.startswith(f"graphs={cap} ") and f"trt-8b-2k-g{cap}.json" in run
+        assert "--workload trt-8b-2k" in run and "--num-prompts 100" in run
+    attn = [c for c in calls if "attn_decode_bench.py" in c]
+    assert len(attn) == 1 and "--batch 512" in attn[0] and "--pages fp8" in attn[0]
+    # without TRT_GRAPHS: each workload once, the graph cap left to its default
+    calls = _dry_run(tmp_path / "plain", "trt", TRT_WORKLOADS="trt-8b-1k")
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 1 and runs[0].startswith("graphs=unset ") and "out/trt-8b-1k.json" in runs[0]
+
+
+def test_long_fi_steps_pick_ragged_or_paged(tmp_path):
+    calls = _dry_run(tmp_path, "long-fi", STEPS="ttft chunk8192 paged32768",
+                     LONG_ARGS="--max-num-batched-tokens 32768")
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 3, calls
+    ttft, chunk, paged = runs
+    assert "backend=flashinfer" in ttft and "--backend both" in ttft and "--max-num-batched-tokens 32768" in ttft
+    assert "ragged=1" in chunk and "--max-num-batched-tokens 8192" in chunk
+    assert "ragged=0" in paged and "--max-num-batched-tokens 32768" in paged
+    assert not any("-m pytest" in c for c in calls)  # "tests" was not among the steps
