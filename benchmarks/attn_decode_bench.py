@@ -64,7 +64,8 @@ def main() -> None:
     args = ap.parse_args()
     settings = [tuple(int(v) for v in x.split(",")) for x in args.settings] if args.settings else SETTINGS
     backend = TritonPagedAttention
-    defaults = (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE,
+    defaults = (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.DECODE_LAUNCH_FP8_GQA,
+                backend.FP8_COMPUTE,
                 backend.DECODE_ROWS, backend.DECODE_ROWS_LAUNCH)
     rows = []
     print(f"decode attention, batch {args.batch}, page {PAGE} ({torch.cuda.get_device_name()})")
@@ -85,7 +86,8 @@ def main() -> None:
                     backend.FP8_COMPUTE = "fp16" if compute == "rows" else compute
                     for bn, warps, stages in settings:
                         launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-                        backend.DECODE_LAUNCH = backend.DECODE_LAUNCH_FP8 = backend.DECODE_ROWS_LAUNCH = launch
+                        backend.DECODE_LAUNCH = backend.DECODE_LAUNCH_FP8 = backend.DECODE_LAUNCH_FP8_GQA = launch
+                        backend.DECODE_ROWS_LAUNCH = launch
 
                         def step(q=q, k=k, kc=kc, vc=vc, meta=meta, dim=dim):
                             return backend.forward(q, k, k, kc, vc, meta, dim**-0.5)
@@ -109,7 +111,7 @@ def main() -> None:
                                      "launch": [bn, warps, stages], "us": round(ms * 1e3, 2),
                                      "kv_GBps": round(gbs), "rel_err_vs_fp32": err})
                 del q, k, kc, vc, meta
-    (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.FP8_COMPUTE,
+    (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.DECODE_LAUNCH_FP8_GQA, backend.FP8_COMPUTE,
      backend.DECODE_ROWS, backend.DECODE_ROWS_LAUNCH) = defaults
     if args.json:
         with open(args.json, "w") as f:

@@ -35,9 +35,9 @@ def test_chunk_sizes_follow_the_cap_and_the_switch(monkeypatch):
 
 def test_graph_batch_cap_reads_its_switch(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_MAX_GRAPH_BATCH", raising=False)
-    assert cuda_graphs.max_graph_batch() == 256
-    monkeypatch.setenv("PAGEDLLM_MAX_GRAPH_BATCH", "512")
     assert cuda_graphs.max_graph_batch() == 512
+    monkeypatch.setenv("PAGEDLLM_MAX_GRAPH_BATCH", "256")
+    assert cuda_graphs.max_graph_batch() == 256
     assert cuda_graphs.capture_sizes(512)[-3:] == [480, 496, 512]
     for bad in ("0", "2048", "big", "-1"):
         monkeypatch.setenv("PAGEDLLM_MAX_GRAPH_BATCH", bad)

@@ -358,3 +358,39 @@ def test_a_long_decode_among_short_ones_splits_its_keys(monkeypatch, layout):
     assert splits == [6 if layout == "eager" else triton_backend.MAX_KV_SPLITS] and combines == 1
     splits, combines = run(short + [(1, 1000)], False)  # under LONG_DECODE_KEYS
     assert splits in ([1], []) and combines == 0  # ([]: the rows kernel took them)
+
+
+@pytest.mark.parametrize("hkv,waves,want", [(2, 0, "gqa"), (2, 64, "fp8"), (8, 0, "fp8")],
+                         ids=["gqa-unsplit", "gqa-split", "mha-unsplit"])
+def test_fp8_decode_launch_follows_group_and_splits(monkeypatch, hkv, waves, want):
+    """Over fp8 pages, grouped-query decodes whose keys are not split take
+    DECODE_LAUNCH_FP8_GQA; split launches and one query head a KV head keep DECODE_LAUNCH_FP8
+    (each measured fastest there); the output matches the torch reference either way."""
+    from pagedllm.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 8)
+    monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", waves)
+    seen = []
+    split_launch = TritonPagedAttention._split_launch
+
+    def spy(*args):
+        seen.append((args[6], args[9]))  # the launch setting, the key splits
+        return split_launch(*args)
+
+    monkeypatch.setattr(TritonPagedAttention, "_split_launch", staticmethod(spy))
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch([(1, 40), (1, 300)], 8, hkv, 64, 16,
+                                                                      dtype, seed=5)
+    fp8 = torch.float8_e4m3fn
+    k, v = (x.float().to(fp8).float().to(dtype) for x in (k, v))  # exact in e4m3
+    q, k, v = (x.to(DEV) for x in (q, k, v))
+    kc8, vc8 = (kc * 0.7).to(fp8).to(DEV), (vc * 0.7).to(fp8).to(DEV)
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(8 // hkv), DEV)
+    ref = TorchPagedAttention.forward(q.float(), k.float(), v.float(), kc8.clone(), vc8.clone(), meta, 0.125)
+    out = TritonPagedAttention.forward(q, k, v, kc8, vc8, meta, 0.125)
+    (launch, splits), = seen
+    assert (splits > 1) == (waves > 0)
+    expect = TritonPagedAttention.DECODE_LAUNCH_FP8_GQA if want == "gqa" else TritonPagedAttention.DECODE_LAUNCH_FP8
+    assert launch is expect
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)

@@ -52,6 +52,10 @@ class AttentionMetadata:
     # launch splits its keys however many sequences decode (a captured graph's variant
     # for such steps). Eager launches decide from host_ctx_len themselves.
     decode_long: bool = False
+    # The rows whose outputs the step reads (its sampled rows), when fewer than all: the
+    # model may then run its last layer's MLP on these alone and return only their hidden
+    # states, in this order (a 32k prompt needs one row of the last layer's MLP, not 32k).
+    keep_rows: torch.Tensor | None = None
     # Host copies, for backends that loop over sequences in Python.
     host_q_start: np.ndarray | None = None
     host_q_len: np.ndarray | None = None

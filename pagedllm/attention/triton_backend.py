@@ -487,6 +487,13 @@ class TritonPagedAttention:
     # Over fp8 pages a key block of 128 is fastest (H100, benchmarks/attn_decode_bench.py:
     # 450 us against 461 at 64, for 256 x 512 keys on the Llama-2-7B shape; bf16 pages: 720).
     DECODE_LAUNCH_FP8 = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}
+    # With grouped queries (several query heads a KV head: a program's tile holds the
+    # group) and enough sequences that keys are not split, 64-key blocks on two warps are
+    # fastest over fp8 pages (H100, Llama-3.1-8B shape, 512 sequences: 412 us against 456
+    # at 128/4/2 for 1,024 keys, 785 against 866 for 2,048). Split launches keep 128/4/2:
+    # at 32 sequences of 4,096 keys, 64/2/2 took 200 us against 125
+    # (benchmarks/results/2026-12-07-gpu-h100-attn-decode-*.json).
+    DECODE_LAUNCH_FP8_GQA = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 2}
     # Decodes with one query per KV head (GROUP 1) and no ALiBi / soft-cap / sinks: "dot"
     # runs them in the general tensor-core kernel, "rows" in _decode_rows_kernel (float32
     # sums on the CUDA cores). "dot" until benchmarks/attn_decode_bench.py shows otherwise.
@@ -568,13 +575,15 @@ class TritonPagedAttention:
                 WINDOW=common["WINDOW"], PDL=common["PDL"],
                 **({"launch_pdl": True} if common["PDL"] else {}), **cls.DECODE_ROWS_LAUNCH)
         elif meta.num_decode:
-            launch = cls.DECODE_LAUNCH_FP8 if k_cache.dtype == torch.float8_e4m3fn else cls.DECODE_LAUNCH
             block_m = max(16, _pow2(group))
             splits = 1 if sliding_window is not None else kv_splits(meta.num_decode, hkv, q.device)
             if long:  # the rows kernel (one query per KV head) has no splits: this one has
                 splits = MAX_KV_SPLITS
                 if meta.host_ctx_len is not None:
                     splits = _splits_keys_fill(splits, meta.host_ctx_len[: meta.num_decode])
+            launch = cls.DECODE_LAUNCH
+            if k_cache.dtype == torch.float8_e4m3fn:
+                launch = cls.DECODE_LAUNCH_FP8_GQA if group > 1 and splits == 1 else cls.DECODE_LAUNCH_FP8
             cls._split_launch(args, (meta.q_start, meta.q_start), slopes, out, meta, common, launch,
                               meta.num_decode, hkv, splits, 1, block_m, True)
         if meta.num_prefill_tiles:

@@ -539,7 +539,7 @@ class ModelRunner:
             spec_counts = [len(c.draft_token_ids) + 1 for c in chunks
                            if c.sample and not self.states[c.request_id].pooling]
 
-        graph_logits = mixed_logits = None
+        graph_logits = sample_logits = None  # sample_logits: already the sampled rows'
         if self.graphs is not None and num_decode == len(chunks) and not plp_rows and not pool_ids:
             graph_logits = self.graphs.run(arrays, lambda ids: self._fill_pending(ids, arrays))
         elif (self.verify_graphs is not None and spec_counts is not None and not plp_rows and not pool_ids
@@ -547,14 +547,20 @@ class ModelRunner:
             graph_logits = self.verify_graphs.run(arrays)
         elif (self.mixed_graphs is not None and 0 < num_decode < len(chunks) and spec_counts is None
               and not plp_rows and not pool_ids):
-            mixed_logits = self.mixed_graphs.run(arrays, num_decode, sample_rows,
+            sample_logits = self.mixed_graphs.run(arrays, num_decode, sample_rows,
                                                  lambda ids: self._fill_pending(ids, arrays))
-        if graph_logits is None and mixed_logits is None:
+        if graph_logits is None and sample_logits is None:
             if self.lora is not None:
                 self.lora.prepare(arrays["lora_slots"], len(arrays["lora_slots"]))
             ids, pos, meta = self._metadata(arrays, num_decode)
             self._fill_pending(ids, arrays)
+            num_rows = len(ids)
+            if sample_rows and len(sample_rows) < num_rows and self.lora is None and not plp_rows and not pool_ids:
+                # only the sampled rows' outputs are read: the last layer's MLP skips the rest
+                (meta.keep_rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
             hidden = self.model(ids, pos, self.kv_caches, meta)
+            if hidden.shape[0] != num_rows:  # pruned to the sampled rows (keep_rows), in order
+                sample_logits = self.model.compute_logits(hidden)
 
         for rid, (rows_, targets) in plp_rows.items():
             k = self.states[rid].params.prompt_logprobs
@@ -564,8 +570,8 @@ class ModelRunner:
         if not sample_rows:
             self._prev_tokens, self._prev_rows = None, {}
             return self._with_pooled(LaunchedStep(self, out, [], None, None), pooled)
-        if mixed_logits is not None:  # already the sample rows'
-            logits = mixed_logits
+        if sample_logits is not None:
+            logits = sample_logits
         else:
             (rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
             if graph_logits is not None:

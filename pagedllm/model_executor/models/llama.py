@@ -262,13 +262,17 @@ class DecoderLayer(nn.Module):
             self.post_self_attn_layernorm = RMSNorm(s.hidden, s.eps, gemma=g)
             self.post_mlp_layernorm = RMSNorm(s.hidden, s.eps, gemma=g)
 
-    def forward(self, positions, x, residual, kv_cache, meta):
+    def forward(self, positions, x, residual, kv_cache, meta, keep: torch.Tensor | None = None):
+        """`keep`: the rows whose output is read (the last layer's, AttentionMetadata.keep_rows);
+        every row still writes its keys and values, only these go through the MLP."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(positions, h, kv_cache, meta)
+        if keep is not None:
+            h, residual = h.index_select(0, keep), residual.index_select(0, keep)
         if self.sandwich_norm:  # normed before the (fused) residual add of the next norm
             h = self.post_self_attn_layernorm(h)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -301,8 +305,13 @@ class DecoderModel(nn.Module):
                 scale = self._embed_scales[x.dtype] = float(torch.tensor(self.embed_scale, dtype=x.dtype))
             x = x * scale
         residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, cache, meta)
+        last = len(self.layers) - 1
+        keep = getattr(meta, "keep_rows", None)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i == last and keep is not None:  # then the hidden states of `keep` alone
+                x, residual = layer(positions, x, residual, cache, meta, keep)
+            else:
+                x, residual = layer(positions, x, residual, cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
