@@ -142,23 +142,26 @@ def test_prompt_logprobs_are_whole_with_the_prefix_cache_warm(tiny_models):
 
 
 def test_last_layer_mlp_runs_only_sampled_rows(tiny_models):
-    """A step's last layer sends only the rows it samples through its MLP (a prompt's
-    last token), every other layer all rows; tokens and logprobs stay HF's. A request
-    with prompt logprobs reads every row's output: nothing is skipped for it."""
+    """A step's last layer sends only the rows it samples through its attention's output
+    projection and its MLP (a prompt's last token), every other layer all rows; tokens and
+    logprobs stay HF's. A request with prompt logprobs reads every row's output: nothing
+    is skipped for it."""
     path, hf = tiny_models("llama")
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
     layers = llm.engine.executor.runner.model.model.layers
-    rows: dict[str, list[int]] = {"first": [], "last": []}
+    rows: dict[str, list[int]] = {"first": [], "last": [], "last_o": []}
     hooks = [layers[0].mlp.register_forward_pre_hook(lambda m, a: rows["first"].append(a[0].shape[0])),
-             layers[-1].mlp.register_forward_pre_hook(lambda m, a: rows["last"].append(a[0].shape[0]))]
+             layers[-1].mlp.register_forward_pre_hook(lambda m, a: rows["last"].append(a[0].shape[0])),
+             layers[-1].self_attn.o_proj.register_forward_pre_hook(
+                 lambda m, a: rows["last_o"].append(a[0].shape[0]))]
     try:
         prompts = _prompts(3, seed=7, lo=20, hi=30)
         _check(llm, hf, prompts, max_new=4)
         # the first step reads the three prompts whole and samples one row of each
         assert rows["first"][0] == sum(len(p) for p in prompts)
-        assert rows["last"][0] == 3
-        rows["first"].clear()
-        rows["last"].clear()
+        assert rows["last"][0] == rows["last_o"][0] == 3
+        for r in rows.values():
+            r.clear()
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
         out = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0]
         assert rows["last"][0] == rows["first"][0] == len(prompts[0])

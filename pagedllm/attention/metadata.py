@@ -56,6 +56,11 @@ class AttentionMetadata:
     # model may then run its last layer's MLP on these alone and return only their hidden
     # states, in this order (a 32k prompt needs one row of the last layer's MLP, not 32k).
     keep_rows: torch.Tensor | None = None
+    # With keep_rows, the kept rows alone as decodes (one query each, its context up to
+    # and including its own position, its keys already in the pages): a causal last layer
+    # writes every row's keys and values and attends for these rows only. None: the
+    # model's attention runs every row (a backend without write_kv, batch-invariant mode).
+    keep_meta: AttentionMetadata | None = None
     # Host copies, for backends that loop over sequences in Python.
     host_q_start: np.ndarray | None = None
     host_q_len: np.ndarray | None = None

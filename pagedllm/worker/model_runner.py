@@ -483,6 +483,17 @@ class ModelRunner:
             meta.slot_mapping = slots.long()
         return ids, pos, meta
 
+    def _keep_metadata(self, arrays: dict[str, np.ndarray], keep: np.ndarray) -> AttentionMetadata:
+        """The step's kept rows as decodes (AttentionMetadata.keep_meta): one query each,
+        over its sequence's pages up to and including its own position."""
+        seq = np.searchsorted(arrays["q_start"], keep, side="right") - 1
+        n = len(keep)
+        pos = arrays["positions"][keep]
+        rows = {"ids": np.zeros(n, dtype=np.int64), "positions": pos, "slots": arrays["slots"][keep],
+                "q_start": np.arange(n, dtype=np.int64), "q_len": np.ones(n, dtype=np.int64),
+                "ctx_len": pos + 1, "tables": arrays["tables"][seq]}
+        return self._metadata(rows, n)[2]
+
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         return self.launch(so).result()
 
@@ -556,8 +567,11 @@ class ModelRunner:
             self._fill_pending(ids, arrays)
             num_rows = len(ids)
             if sample_rows and len(sample_rows) < num_rows and self.lora is None and not plp_rows and not pool_ids:
-                # only the sampled rows' outputs are read: the last layer's MLP skips the rest
-                (meta.keep_rows,) = self._to_device(np.asarray(sample_rows, dtype=np.int64))
+                # only the sampled rows' outputs are read: the last layer skips the rest
+                keep = np.asarray(sample_rows, dtype=np.int64)
+                (meta.keep_rows,) = self._to_device(keep)
+                if not self.batch_invariant and hasattr(self.backend, "write_kv"):
+                    meta.keep_meta = self._keep_metadata(arrays, keep)
             hidden = self.model(ids, pos, self.kv_caches, meta)
             if hidden.shape[0] != num_rows:  # pruned to the sampled rows (keep_rows), in order
                 sample_logits = self.model.compute_logits(hidden)

@@ -195,7 +195,13 @@ class Attention(nn.Module):
                 f"ALiBi models (Baichuan-13B) need an attention backend with ALiBi; "
                 f"{backend.name!r} has none")
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
+    takes_keep = True  # forward(keep=...) returns the kept rows alone (DecoderLayer)
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, keep: torch.Tensor | None = None):
+        """`keep` (the last layer's AttentionMetadata.keep_rows): return those rows alone.
+        Every row's keys and values still go to the pages; with meta.keep_meta and causal
+        attention only the kept rows attend (as decodes over the pages), else all do and
+        the output projection takes the kept rows."""
         s = self.s
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -208,21 +214,22 @@ class Attention(nn.Module):
                 norms = (self.q_norm, self.k_norm)
             else:
                 q, k = self.q_norm(q), self.k_norm(k)
+        extra = dict(self.extra, k_scale=self.k_scale, v_scale=self.v_scale)
         if not s.alibi:
             q, k = self.rotary(positions, q, k, norms)
-            extra = self.extra
+            extra["sliding_window"] = self.window
             if self.sinks is not None:
-                extra = dict(extra)
                 extra["sinks"] = self.sinks[s.head_start : s.head_start + s.num_heads]
-            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                     sliding_window=self.window, k_scale=self.k_scale,
-                                     v_scale=self.v_scale, **extra)
         else:
-            slopes = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
-            o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                     alibi_slopes=slopes, k_scale=self.k_scale, v_scale=self.v_scale,
-                                     **self.extra)
-        return self.o_proj(o.reshape(-1, self.q_size))
+            extra["alibi_slopes"] = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
+        if keep is not None and meta.keep_meta is not None and s.causal:
+            # all keys and values to the pages, then the kept rows attend alone, as decodes
+            self.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+            q, k, v = (t.index_select(0, keep) for t in (q, k, v))
+            meta, keep = meta.keep_meta, None
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
+        o = o.reshape(-1, self.q_size)
+        return self.o_proj(o if keep is None else o.index_select(0, keep))
 
 
 # Fused checkpoint tensors (Phi-3): [q | k | v] rows and [gate | up] rows.
@@ -264,14 +271,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, kv_cache, meta, keep: torch.Tensor | None = None):
         """`keep`: the rows whose output is read (the last layer's, AttentionMetadata.keep_rows);
-        every row still writes its keys and values, only these go through the MLP."""
+        every row still writes its keys and values, only these go through the MLP (and,
+        where the attention takes `keep`, through its queries and output projection)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
-        if keep is not None:
+        if keep is None:
+            h = self.self_attn(positions, h, kv_cache, meta)
+        elif getattr(self.self_attn, "takes_keep", False):
+            h, residual = self.self_attn(positions, h, kv_cache, meta, keep), residual.index_select(0, keep)
+        else:
+            h = self.self_attn(positions, h, kv_cache, meta)
             h, residual = h.index_select(0, keep), residual.index_select(0, keep)
         if self.sandwich_norm:  # normed before the (fused) residual add of the next norm
             h = self.post_self_attn_layernorm(h)
