@@ -91,7 +91,7 @@ class _RaggedStandIn:
 
     def run(self, q, k, v, out=None):
         qo, kv_indptr, scale = self.args
-        assert k.shape[0] == v.shape[0] == kv_indptr[-1] and k.is_contiguous() and v.is_contiguous()
+        assert k.shape[0] == v.shape[0] == kv_indptr[-1] and k.stride(-1) == v.stride(-1) == 1
         res = torch.empty_like(q)
         for j in range(len(qo) - 1):
             res[qo[j] : qo[j + 1]] = _attend(q[qo[j] : qo[j + 1]], k[kv_indptr[j] : kv_indptr[j + 1]],
@@ -210,6 +210,10 @@ def test_flashinfer_matches_torch(hq, hkv, dim, seqs):
     dev, page = "cuda", 16
     q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, hq, hkv, dim, page, torch.bfloat16)
     q, k, v, kc, vc = (x.to(dev) for x in (q, k, v, kc, vc))
+    # as the model hands them over: views of one fused qkv row, strided by all three
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q, k, v = (t.view(-1, t.shape[1] // dim, dim) for t in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=1))
+    assert not q.is_contiguous() and not k.is_contiguous()
     meta = paged_meta(tables, slots, q_start, ql, ctx, nd, FlashInferPrefillAttention.tile_q(hq // hkv), dev)
     meta.host_block_tables = tables
     kc2, vc2 = kc.clone(), vc.clone()

@@ -176,11 +176,17 @@ class FlashInferPrefillAttention(TritonPagedAttention):
             return super()._prefill(q, k, v, k_cache, v_cache, out, meta, scale, args, common, slopes, plain)
         plan = cls._planned(q, k_cache, meta, scale)
         lo, hi = plan.rows
-        # q, k and v are views of the fused qkv output (rows strided by q, k and v):
-        # FlashInfer takes rows of contiguous heads, so the prefill rows are copied once.
-        kv = ((k[lo:hi].contiguous(), v[lo:hi].contiguous()) if plan.ragged else ((k_cache, v_cache),))
+        # q, k and v are views of the fused qkv output (rows strided by q + k + v): FlashInfer
+        # reads rows and heads through their strides, so they go as they are (copying them
+        # cost 13 ms of a 32k prompt's 1.13 s on an H100); only a strided last dimension is
+        # copied.
+        def rows_of(t: torch.Tensor) -> torch.Tensor:
+            t = t[lo:hi]
+            return t if t.stride(-1) == 1 else t.contiguous()
+
+        kv = ((rows_of(k), rows_of(v)) if plan.ragged else ((k_cache, v_cache),))
         rows = out[lo:hi]
         if rows.is_contiguous():
-            plan.wrapper.run(q[lo:hi].contiguous(), *kv, out=rows)
+            plan.wrapper.run(rows_of(q), *kv, out=rows)
         else:
-            rows.copy_(plan.wrapper.run(q[lo:hi].contiguous(), *kv))
+            rows.copy_(plan.wrapper.run(rows_of(q), *kv))
