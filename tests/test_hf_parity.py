@@ -169,3 +169,26 @@ def test_last_layer_mlp_runs_only_sampled_rows(tiny_models):
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_chunks_that_sample_nothing_skip_the_last_layer(tiny_models):
+    """A prompt read in chunks: the chunks before its last sample nothing, so their last
+    layer only writes keys and values (no attention output, no MLP); the tokens and
+    logprobs that follow still equal HF's, so those keys and values were written."""
+    path, hf = tiny_models("llama")
+    llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
+              max_num_batched_tokens=16)
+    layers = llm.engine.executor.runner.model.model.layers
+    rows: dict[str, list[int]] = {"first": [], "last": [], "last_o": []}
+    hooks = [layers[0].mlp.register_forward_pre_hook(lambda m, a: rows["first"].append(a[0].shape[0])),
+             layers[-1].mlp.register_forward_pre_hook(lambda m, a: rows["last"].append(a[0].shape[0])),
+             layers[-1].self_attn.o_proj.register_forward_pre_hook(
+                 lambda m, a: rows["last_o"].append(a[0].shape[0]))]
+    try:
+        prompt = _prompts(1, seed=11, lo=40, hi=40)
+        _check(llm, hf, prompt, max_new=3)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert rows["first"] == [16, 16, 8, 1, 1]  # three chunks, then two decodes
+    assert rows["last"] == rows["last_o"] == [1, 1, 1]  # the last chunk's final row, the decodes

@@ -566,14 +566,18 @@ class ModelRunner:
             ids, pos, meta = self._metadata(arrays, num_decode)
             self._fill_pending(ids, arrays)
             num_rows = len(ids)
-            if sample_rows and len(sample_rows) < num_rows and self.lora is None and not plp_rows and not pool_ids:
-                # only the sampled rows' outputs are read: the last layer skips the rest
+            if len(sample_rows) < num_rows and self.lora is None and not plp_rows and not pool_ids:
+                # only the sampled rows' outputs are read (none: a chunk short of its
+                # prompt's end): the last layer skips the rest
                 keep = np.asarray(sample_rows, dtype=np.int64)
-                (meta.keep_rows,) = self._to_device(keep)
-                if not self.batch_invariant and hasattr(self.backend, "write_kv"):
-                    meta.keep_meta = self._keep_metadata(arrays, keep)
+                if not sample_rows:
+                    meta.keep_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+                else:
+                    (meta.keep_rows,) = self._to_device(keep)
+                    if not self.batch_invariant and hasattr(self.backend, "write_kv"):
+                        meta.keep_meta = self._keep_metadata(arrays, keep)
             hidden = self.model(ids, pos, self.kv_caches, meta)
-            if hidden.shape[0] != num_rows:  # pruned to the sampled rows (keep_rows), in order
+            if hidden.shape[0] != num_rows and sample_rows:  # the sampled rows (keep_rows), in order
                 sample_logits = self.model.compute_logits(hidden)
 
         for rid, (rows_, targets) in plp_rows.items():

@@ -201,7 +201,8 @@ class Attention(nn.Module):
         """`keep` (the last layer's AttentionMetadata.keep_rows): return those rows alone.
         Every row's keys and values still go to the pages; with meta.keep_meta and causal
         attention only the kept rows attend (as decodes over the pages), else all do and
-        the output projection takes the kept rows."""
+        the output projection takes the kept rows. An empty `keep` (a step that samples
+        nothing: a long prompt's earlier chunks) writes the keys and values and stops."""
         s = self.s
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -222,6 +223,9 @@ class Attention(nn.Module):
                 extra["sinks"] = self.sinks[s.head_start : s.head_start + s.num_heads]
         else:
             extra["alibi_slopes"] = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
+        if keep is not None and keep.numel() == 0:  # a step that samples nothing: keys and values only
+            self.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+            return x[:0]
         if keep is not None and meta.keep_meta is not None and s.causal:
             # all keys and values to the pages, then the kept rows attend alone, as decodes
             self.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
@@ -285,6 +289,8 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(positions, h, kv_cache, meta)
             h, residual = h.index_select(0, keep), residual.index_select(0, keep)
+        if h.shape[0] == 0:  # no row is read (keep empty): no MLP
+            return h, residual
         if self.sandwich_norm:  # normed before the (fused) residual add of the next norm
             h = self.post_self_attn_layernorm(h)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -324,6 +330,8 @@ class DecoderModel(nn.Module):
                 x, residual = layer(positions, x, residual, cache, meta, keep)
             else:
                 x, residual = layer(positions, x, residual, cache, meta)
+        if x.shape[0] == 0:  # keep_rows empty: the step's keys and values were all it needed
+            return x
         x, _ = self.norm(x, residual)
         return x
 
