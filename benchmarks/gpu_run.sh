@@ -13,7 +13,8 @@
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
-#   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_ATTN=1: an fp8 decode attention sweep);
+#   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
+#   the fused sampler off / on; TRT_ATTN=1: an fp8 decode attention sweep);
 # long: TTFT of a 32k prompt and gpu-long with HF in the same run, a 128k prompt; long-fi:
 #   the same with prefills through FlashInfer (carry .whl-fi), after its GPU tests;
 # spec: gpu-7b with and without n-gram speculation (the gate must turn it off);
@@ -253,13 +254,23 @@ trt)
             --shapes llama3-8b --pages fp8 --settings 128,4,2 128,4,3 128,4,4 256,4,2 256,8,2 256,8,3 \
             128,2,2 64,2,2 128,8,2 --json "$OUT/attn-decode-trt.json" 2>&1 | tail -40
     fi
-    # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json)
+    # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json);
+    # TRT_SAMPLER="0 1": each per PAGEDLLM_FUSED_SAMPLER (WORKLOAD-sN.json), after the fused
+    # sampler's GPU tests
+    if [[ -n ${TRT_SAMPLER:-} ]]; then
+        timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_sampler.py 2>&1 | tail -3
+    fi
     for w in ${TRT_WORKLOADS:-trt-8b-1k trt-8b-2k}; do
         for g in ${TRT_GRAPHS:-default}; do
-            [[ $g == default ]] && tag="" || tag="-g$g"
-            env ${tag:+PAGEDLLM_MAX_GRAPH_BATCH=$g} timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
-                throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
-                --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+            for f in ${TRT_SAMPLER:-default}; do
+                tag=""
+                [[ $g != default ]] && tag="-g$g"
+                [[ $f != default ]] && tag="$tag-s$f"
+                env ${TRT_GRAPHS:+PAGEDLLM_MAX_GRAPH_BATCH=$g} ${TRT_SAMPLER:+PAGEDLLM_FUSED_SAMPLER=$f} \
+                    timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
+                    throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
+                    --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+            done
         done
     done
     summary "$OUT"/trt-8b-*.json

@@ -19,7 +19,8 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
     log = tmp_path / "calls.log"
     stub = bin_dir / "python3"
     stub.write_text('#!/usr/bin/env bash\n'
-                    'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} '
+                    'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} sampler=${PAGEDLLM_FUSED_SAMPLER-unset} '
+                    'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} '
                     'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
@@ -52,7 +53,14 @@ def test_trt_runs_each_workload_per_graph_cap(tmp_path):
     # without TRT_GRAPHS: each workload once, the graph cap left to its default
     calls = _dry_run(tmp_path / "plain", "trt", TRT_WORKLOADS="trt-8b-1k")
     runs = [c for c in calls if "bench throughput" in c]
-    assert len(runs) == 1 and runs[0].startswith("graphs=unset ") and "out/trt-8b-1k.json" in runs[0]
+    assert len(runs) == 1 and runs[0].startswith("graphs=unset sampler=unset ") and "out/trt-8b-1k.json" in runs[0]
+    # TRT_SAMPLER: the fused sampler's GPU tests, then each workload with it off and on
+    calls = _dry_run(tmp_path / "sampler", "trt", TRT_WORKLOADS="trt-8b-2k", TRT_SAMPLER="0 1")
+    assert "tests/test_fused_sampler.py" in calls[0]
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2, calls
+    for flag, run in zip(("0", "1"), runs, strict=True):
+        assert run.startswith(f"graphs=unset sampler={flag} ") and f"trt-8b-2k-s{flag}.json" in run
 
 
 def test_long_fi_steps_pick_ragged_or_paged(tmp_path):

@@ -238,3 +238,13 @@ def test_settings_a_row_does_not_use_leave_it_untouched():
     assert torch.equal(out[0], logits[0])  # row 0 uses nothing
     for r in (1, 2, 3):  # the others really were cut
         assert torch.isinf(out[r]).sum() > vocab // 2
+
+
+def test_fused_sampler_kernels_interpreted():
+    """tests/test_fused_sampler.py in Triton's interpreter (CI has no GPU)."""
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fused_sampler.py"], 600)
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "skipped" not in res.stdout.splitlines()[-1], res.stdout[-500:]

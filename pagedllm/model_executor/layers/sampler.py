@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.model_executor.layers import sampler_kernels
+
 
 @dataclass
 class SamplingBatch:
@@ -152,9 +154,7 @@ class Sampler:
             sampled = logits.argmax(-1)
         else:
             greedy = b.temperature == 0
-            probs = self._probs(logits, b)
-            u = _uniforms(len(probs), b.generators, self.generator, probs.device)
-            sampled = torch.where(greedy, logits.argmax(-1), _draw(probs, u))
+            sampled = torch.where(greedy, logits.argmax(-1), self._drawn(logits, b))
         return self._output(sampled, valid, raw_logprobs, b)
 
     def verify(self, logits: torch.Tensor, b: SamplingBatch, draft: torch.Tensor,
@@ -181,9 +181,7 @@ class Sampler:
             final = best
         else:
             greedy = b.temperature == 0
-            probs = self._probs(logits, b)
-            u = _uniforms(len(probs), b.generators, self.generator, probs.device)
-            final = torch.where(greedy, best, _draw(probs, u))
+            final = torch.where(greedy, best, self._drawn(logits, b))
         accepted = has & (final == x[:, 0])
         sampled = final
         out = self._output(sampled, valid, raw_logprobs, b)
@@ -205,6 +203,15 @@ class Sampler:
         if b.bias_rows is not None:
             logits = logits.index_put((b.bias_rows, b.bias_tokens), b.bias_values, accumulate=True)
         return raw_logprobs, apply_penalties(logits, b)
+
+    def _drawn(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+        """Every row's draw from its distribution (temperature, then top-k/top-p/min-p),
+        one uniform a row; the caller keeps the argmax for greedy rows. Through the fused
+        kernels (sampler_kernels) where they apply, else tensor ops."""
+        u = _uniforms(len(logits), b.generators, self.generator, logits.device)
+        if sampler_kernels.usable(logits, b.top_k, b.top_p, b.min_p):
+            return sampler_kernels.draw(logits, b.temperature, u)
+        return _draw(self._probs(logits, b), u)
 
     @staticmethod
     def _probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
