@@ -147,6 +147,8 @@ def test_non_finite_logits_fail_one_request_alone(tiny_models, monkeypatch):
 
     def poisoned(ids, *args):
         hidden = forward(ids, *args)
+        if hidden.shape[0] != ids.shape[0]:  # only the sampled rows came back (meta.keep_rows)
+            ids = ids.index_select(0, args[-1].keep_rows)
         return hidden.masked_fill((ids == POISON)[:, None], float("nan"))
 
     monkeypatch.setattr(model, "forward", poisoned)

@@ -173,6 +173,8 @@ def test_nan_logits_fail_that_request_alone(engine, url, monkeypatch):
 
     def poisoned(ids, *args):
         hidden = forward(ids, *args)
+        if hidden.shape[0] != ids.shape[0]:  # only the sampled rows came back (meta.keep_rows)
+            ids = ids.index_select(0, args[-1].keep_rows)
         return hidden.masked_fill((ids == POISON)[:, None], float("nan"))
 
     monkeypatch.setattr(runner.model, "forward", poisoned)
