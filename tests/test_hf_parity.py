@@ -5,6 +5,7 @@ chunked prefill."""
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -141,6 +142,22 @@ def test_prompt_logprobs_are_whole_with_the_prefix_cache_warm(tiny_models):
     assert llm.engine.kv.prefix_hits > hits  # other requests still take them
 
 
+@contextmanager
+def _rows_seen(llm: LLM):
+    """Rows into the first layer's MLP and the last layer's MLP and output projection, per
+    call, while the block runs."""
+    layers = llm.engine.executor.runner.model.model.layers
+    rows: dict[str, list[int]] = {"first": [], "last": [], "last_o": []}
+    watched = {"first": layers[0].mlp, "last": layers[-1].mlp, "last_o": layers[-1].self_attn.o_proj}
+    hooks = [m.register_forward_pre_hook(lambda _m, a, key=key: rows[key].append(a[0].shape[0]))
+             for key, m in watched.items()]
+    try:
+        yield rows
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def test_last_layer_mlp_runs_only_sampled_rows(tiny_models):
     """A step's last layer sends only the rows it samples through its attention's output
     projection and its MLP (a prompt's last token), every other layer all rows; tokens and
@@ -148,27 +165,17 @@ def test_last_layer_mlp_runs_only_sampled_rows(tiny_models):
     is skipped for it."""
     path, hf = tiny_models("llama")
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128)
-    layers = llm.engine.executor.runner.model.model.layers
-    rows: dict[str, list[int]] = {"first": [], "last": [], "last_o": []}
-    hooks = [layers[0].mlp.register_forward_pre_hook(lambda m, a: rows["first"].append(a[0].shape[0])),
-             layers[-1].mlp.register_forward_pre_hook(lambda m, a: rows["last"].append(a[0].shape[0])),
-             layers[-1].self_attn.o_proj.register_forward_pre_hook(
-                 lambda m, a: rows["last_o"].append(a[0].shape[0]))]
-    try:
-        prompts = _prompts(3, seed=7, lo=20, hi=30)
+    prompts = _prompts(3, seed=7, lo=20, hi=30)
+    with _rows_seen(llm) as rows:
         _check(llm, hf, prompts, max_new=4)
-        # the first step reads the three prompts whole and samples one row of each
-        assert rows["first"][0] == sum(len(p) for p in prompts)
-        assert rows["last"][0] == rows["last_o"][0] == 3
-        for r in rows.values():
-            r.clear()
-        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    # the first step reads the three prompts whole and samples one row of each
+    assert rows["first"][0] == sum(len(p) for p in prompts)
+    assert rows["last"][0] == rows["last_o"][0] == 3
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    with _rows_seen(llm) as rows:
         out = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0]
-        assert rows["last"][0] == rows["first"][0] == len(prompts[0])
-        assert len(out.prompt_logprobs) == len(prompts[0])
-    finally:
-        for h in hooks:
-            h.remove()
+    assert rows["last"][0] == rows["first"][0] == len(prompts[0])
+    assert len(out.prompt_logprobs) == len(prompts[0])
 
 
 def test_chunks_that_sample_nothing_skip_the_last_layer(tiny_models):
@@ -178,17 +185,7 @@ def test_chunks_that_sample_nothing_skip_the_last_layer(tiny_models):
     path, hf = tiny_models("llama")
     llm = LLM(model=path, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
               max_num_batched_tokens=16)
-    layers = llm.engine.executor.runner.model.model.layers
-    rows: dict[str, list[int]] = {"first": [], "last": [], "last_o": []}
-    hooks = [layers[0].mlp.register_forward_pre_hook(lambda m, a: rows["first"].append(a[0].shape[0])),
-             layers[-1].mlp.register_forward_pre_hook(lambda m, a: rows["last"].append(a[0].shape[0])),
-             layers[-1].self_attn.o_proj.register_forward_pre_hook(
-                 lambda m, a: rows["last_o"].append(a[0].shape[0]))]
-    try:
-        prompt = _prompts(1, seed=11, lo=40, hi=40)
-        _check(llm, hf, prompt, max_new=3)
-    finally:
-        for h in hooks:
-            h.remove()
+    with _rows_seen(llm) as rows:
+        _check(llm, hf, _prompts(1, seed=11, lo=40, hi=40), max_new=3)
     assert rows["first"] == [16, 16, 8, 1, 1]  # three chunks, then two decodes
     assert rows["last"] == rows["last_o"] == [1, 1, 1]  # the last chunk's final row, the decodes
