@@ -245,12 +245,13 @@ def test_hundreds_of_clients_nothing_lost_or_mixed(server: Server):
               f"{rss[-2][1] >> 20} -> {rss[-1][1] >> 20}")
     # Near the baseline (allocators keep some of a burst's peak), and no growth per run. One
     # run's resident size moves by tens of MiB with the allocator's fragmentation alone (0 to
-    # 100 MiB seen on identical code, in one run and not the next), while a leak grows every
-    # run: so the median growth of the three runs after the first must stay small.
+    # 100 MiB seen on identical code, in one run and not the next; CI once saw 13, 57 and
+    # 100 MiB over three runs of a tree whose previous CI run passed), while a leak grows
+    # every run: so the smallest growth of the three runs after the first must stay small.
     (base, _), (first, _) = rss[:2]
     assert first - base < max(256 * 2**20, base // 4), rss
     growth = sorted(rss[i + 1][0] - rss[i][0] for i in range(1, len(rss) - 1))
-    assert len(growth) == 3 and growth[1] < 48 * 2**20, (growth, rss)
+    assert len(growth) == 3 and growth[0] < 48 * 2**20, (growth, rss)
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
