@@ -569,10 +569,10 @@ class ModelRunner:
             if len(sample_rows) < num_rows and self.lora is None and not plp_rows and not pool_ids:
                 # only the sampled rows' outputs are read (none: a chunk short of its
                 # prompt's end): the last layer skips the rest
-                keep = np.asarray(sample_rows, dtype=np.int64)
                 if not sample_rows:
                     meta.keep_rows = torch.empty(0, dtype=torch.int64, device=self.device)
                 else:
+                    keep = np.asarray(sample_rows, dtype=np.int64)
                     (meta.keep_rows,) = self._to_device(keep)
                     if not self.batch_invariant and hasattr(self.backend, "write_kv"):
                         meta.keep_meta = self._keep_metadata(arrays, keep)

@@ -223,12 +223,12 @@ class Attention(nn.Module):
                 extra["sinks"] = self.sinks[s.head_start : s.head_start + s.num_heads]
         else:
             extra["alibi_slopes"] = self.rotary.alibi_slopes[s.head_start : s.head_start + s.num_heads]  # this rank's heads
-        if keep is not None and keep.numel() == 0:  # a step that samples nothing: keys and values only
+        if keep is not None and (keep.numel() == 0 or (meta.keep_meta is not None and s.causal)):
+            # all keys and values to the pages; then nothing more (a step that samples
+            # nothing), or the kept rows attend alone, as decodes
             self.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
-            return x[:0]
-        if keep is not None and meta.keep_meta is not None and s.causal:
-            # all keys and values to the pages, then the kept rows attend alone, as decodes
-            self.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+            if keep.numel() == 0:
+                return x[:0]
             q, k, v = (t.index_select(0, keep) for t in (q, k, v))
             meta, keep = meta.keep_meta, None
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
