@@ -9,7 +9,11 @@ over a few launch settings. Each fp8 row is checked against the torch reference 
 same quantized pages first. Prints microseconds and the KV bytes read per second.
 
     python benchmarks/attn_decode_bench.py [--batch 256] [--ctx 512 2048] [--json F]
-        [--shapes llama3-8b] [--pages fp8] [--settings 128,4,2 256,4,2]
+        [--shapes llama3-8b] [--pages fp8] [--settings 128,4,2 256,4,2] [--flashinfer]
+
+--flashinfer adds FlashInfer's batch decode over the same pages (NHD, as the engine lays
+them out), with and without its tensor-core kernel, checked against the same reference:
+whether the engine's decodes should go there (flashinfer-python must be importable).
 """
 
 from __future__ import annotations
@@ -52,6 +56,28 @@ def build(hq: int, hkv: int, dim: int, batch: int, ctx: int, fp8: bool, seed: in
     return q, k, kc, vc, meta
 
 
+def flashinfer_row(q, kc, vc, meta: AttentionMetadata, ctx: int, tensor_cores: bool, want, kv_bytes: int) -> dict:
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper over the same pages and tables."""
+    what = {"compute": f"flashinfer{'-tc' if tensor_cores else ''}"}
+    try:
+        import flashinfer
+
+        batch, nblk = meta.block_tables.shape
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+        indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * nblk
+        last = torch.full((batch,), ctx - (nblk - 1) * PAGE, dtype=torch.int32, device="cuda")
+        dim = q.shape[2]
+        wrapper.plan(indptr, meta.block_tables.reshape(-1).contiguous(), last, q.shape[1], kc.shape[2], dim,
+                     PAGE, q_data_type=q.dtype, kv_data_type=kc.dtype, sm_scale=dim**-0.5)
+        out = wrapper.run(q, (kc, vc))
+        err = ((out.float() - want).norm() / want.norm()).item()
+        ms = cuda_time(lambda: wrapper.run(q, (kc, vc)), iters=50)
+    except Exception as e:  # not installed, or a variant it does not build
+        return dict(what, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    return dict(what, us=round(ms * 1e3, 2), kv_GBps=round(kv_bytes / ms / 1e6), rel_err_vs_fp32=err)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
@@ -61,6 +87,7 @@ def main() -> None:
     ap.add_argument("--pages", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--settings", nargs="+", default=None, metavar="BN,WARPS,STAGES",
                     help="launch settings to sweep (default: the SETTINGS list)")
+    ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's batch decode")
     args = ap.parse_args()
     settings = [tuple(int(v) for v in x.split(",")) for x in args.settings] if args.settings else SETTINGS
     backend = TritonPagedAttention
@@ -110,6 +137,14 @@ def main() -> None:
                         rows.append({"shape": name, "ctx": ctx, "pages": pages, "compute": compute,
                                      "launch": [bn, warps, stages], "us": round(ms * 1e3, 2),
                                      "kv_GBps": round(gbs), "rel_err_vs_fp32": err})
+                if args.flashinfer and want is not None:
+                    for tc in (False, True):
+                        row = flashinfer_row(q, kc, vc, meta, ctx, tc, want, kv_bytes)
+                        row.update(shape=name, ctx=ctx, pages=pages)
+                        print(f"{name:10s} {ctx:5d} {pages:6s} {row['compute']:18s} "
+                              f"{row.get('us', float('nan')):8.1f} {row.get('kv_GBps', 0):7.0f} "
+                              f"{row.get('rel_err_vs_fp32', float('nan')):8.1e} {row.get('error', '')}")
+                        rows.append(row)
                 del q, k, kc, vc, meta
     (backend.DECODE_LAUNCH, backend.DECODE_LAUNCH_FP8, backend.DECODE_LAUNCH_FP8_GQA, backend.FP8_COMPUTE,
      backend.DECODE_ROWS, backend.DECODE_ROWS_LAUNCH) = defaults

@@ -4,6 +4,12 @@ workload with torch's sync debug mode on and lists every synchronising call site
 times the same workload with async scheduling on and off.
 
     python benchmarks/host_sync_check.py [--workload gpu-0.6b] [--num-prompts 128]
+    python benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 --max-num-seqs 512 \
+        --output-len 512 --only-async     (the host's share of a 512-sequence FP8 step)
+
+A workload's own FP8 weights and pages (trt-8b-*) are used. The "result(wait)" row is the
+time the host waited for the device: where it is most of a step, the device is the limit;
+where it is near zero, the host is.
 """
 
 from __future__ import annotations
@@ -59,19 +65,29 @@ def instrument(engine) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--workload", default="gpu-0.6b", choices=["gpu-0.6b", "gpu-7b"])
+    p.add_argument("--workload", default="gpu-0.6b", choices=["gpu-0.6b", "gpu-7b", "trt-8b-1k", "trt-8b-2k"])
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--only-async", action="store_true", help="skip the sync-site listing and the run without async")
     args = p.parse_args()
-    path = write_arch_config(WORKLOADS[args.workload].arch_config)
+    w = WORKLOADS[args.workload]
+    path = write_arch_config(w.arch_config)
+    engine_kw = {}
+    if w.quantization is not None:
+        engine_kw["quantization"] = w.quantization
+    if w.kv_cache_dtype != "auto":
+        engine_kw["kv_cache_dtype"] = w.kv_cache_dtype
+    if args.max_num_seqs:
+        engine_kw["max_num_seqs"] = args.max_num_seqs
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, 30000, (args.input_len,), generator=g).tolist()}
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     llm = LLM(model=path, load_format="dummy", dtype="bfloat16", async_scheduling=True,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, **engine_kw)
     llm.generate(prompts[:8], params)  # warm-up
     sites: collections.Counter = collections.Counter()
 
@@ -79,16 +95,17 @@ def main() -> None:
         stack = [f for f in traceback.extract_stack()[:-1] if "pagedllm" in f.filename]
         sites[" <- ".join(f"{f.filename.split('pagedllm/')[-1]}:{f.lineno}" for f in stack[-3:][::-1])] += 1
 
-    warnings.showwarning = record
-    warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
-    llm.generate(prompts[:32], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
-    torch.cuda.set_sync_debug_mode(0)
-    print("synchronising call sites (count):")
-    for site, n in sites.most_common(20):
-        print(f"  {n:6d}  {site}")
+    if not args.only_async:
+        warnings.showwarning = record
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        llm.generate(prompts[:32], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+        torch.cuda.set_sync_debug_mode(0)
+        print("synchronising call sites (count):")
+        for site, n in sites.most_common(20):
+            print(f"  {n:6d}  {site}")
     timers = instrument(llm.engine)
-    for asyn in (True, False, True):
+    for asyn in (True,) if args.only_async else (True, False, True):
         llm.engine.core.async_scheduling = asyn
         llm.engine.step()  # reads a step left in flight
         timers.clear()

@@ -106,8 +106,8 @@ def test_sampler_draws_the_same_tokens_either_way(monkeypatch):
     assert calls == [1]
 
 
-def test_the_switch_is_off_by_default(monkeypatch):
+def test_the_switch_is_on_by_default(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_FUSED_SAMPLER", raising=False)
-    assert not sampler_kernels.enabled()
-    monkeypatch.setenv("PAGEDLLM_FUSED_SAMPLER", "1")
     assert sampler_kernels.enabled()
+    monkeypatch.setenv("PAGEDLLM_FUSED_SAMPLER", "0")
+    assert not sampler_kernels.enabled()

@@ -1,5 +1,12 @@
 """Fused small ops for CUDA (Triton): residual-add + RMSNorm, rotary, SiLU-and-mul.
 
+RMSNorm and SiLU-and-mul can also hand their output to an FP8 layer already quantized per
+token (`quant=True` / `silu_and_mul_quant`: an `Fp8Rows` of e4m3 values and float32
+scales), with the arithmetic of fp8_quant_kernel applied to the values they would have
+stored: the bf16 activations are never written and read back. On an H100 at 512 rows the
+separate quantization took 5-15 us a layer (benchmarks/results/2026-12-07-gpu-h100-fp8-
+gemm-trt-7037f9f.json).
+
 In a decode step these ops move few bytes but, written as PyTorch expressions, each costs
 several kernel launches per layer (RMSNorm alone is six); at small batch the launches, not
 the bytes, set the step time. One kernel each brings a 28-layer model from ~1,100 launches
@@ -12,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm import pdl
+from pagedllm.model_executor.layers.quantization.fp8_rows import Fp8Rows
 
 try:
     import triton
@@ -29,14 +37,22 @@ def _pow2(n: int) -> int:
 
 
 if triton is not None:
+    from pagedllm.model_executor.layers.quantization.fp8_quant_kernel import (
+        WHOLE_ROW,
+        row_scale,
+        to_e4m3,
+        whole_row_warps,
+    )
     from pagedllm.pdl import launch_dependents, wait
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, rows, H, stride_xt, stride_xh, stride_rt, stride_rh, stride_y, eps,
+    def _rms_norm_kernel(X, R, W, Y, S, rows, H, stride_xt, stride_xh, stride_rt, stride_rh, stride_y, eps,
                          N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                         HAS_RES: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr):
+                         HAS_RES: tl.constexpr, GEMMA: tl.constexpr, PDL: tl.constexpr,
+                         QUANT: tl.constexpr = False):
         """ROWS rows a program; row r is x[r // H, r % H] of an [T, H, N] view with any
-        strides (a head's q / k inside the fused qkv output needs no copy)."""
+        strides (a head's q / k inside the fused qkv output needs no copy). QUANT: Y is
+        e4m3 and S gets each row's scale, from the values a plain call would store."""
         if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
             tok = wait()
             X += tok
@@ -59,6 +75,11 @@ if triton is not None:
             y = xf * inv * (1.0 + w.to(tl.float32))
         else:
             y = w * (xf * inv).to(x.dtype)
+        if QUANT:
+            v = y.to(x.dtype).to(tl.float32)  # what the plain call stores, then quantized
+            scale = row_scale(tl.max(tl.abs(v), axis=1))
+            tl.store(S + r, scale, mask=r < rows)
+            y = to_e4m3(v, scale[:, None])
         tl.store(Y + r[:, None] * stride_y + offs[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -133,11 +154,30 @@ if triton is not None:
         out = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up
         tl.store(Y + row * stride_y + col, out, mask=mask)
 
+    @triton.jit
+    def _silu_mul_quant_kernel(X, Y, S, stride_x, stride_y, N: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
+        """One row a program, whole in registers: silu(gate) * up as _silu_mul_kernel
+        computes it, then its per-token e4m3 values and scale."""
+        if PDL:
+            X += wait()
+            launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.arange(0, BLOCK)
+        mask = col < N
+        gate = tl.load(X + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * stride_x + N + col, mask=mask, other=0.0)
+        v = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(v), axis=0))
+        tl.store(S + row, scale)
+        tl.store(Y + row * stride_y + col, to_e4m3(v, scale).to(Y.dtype.element_ty), mask=mask)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None, gemma: bool = False) -> torch.Tensor:
+             residual: torch.Tensor | None = None, gemma: bool = False, quant: bool = False):
     """RMSNorm of the last dim; with `residual` (x's shape), x + residual is normed and
     written back into `residual`. `gemma`: scaled by (1 + weight) in float32 (norm.py).
+    `quant`: the output as an Fp8Rows (per-token e4m3, for an FP8 layer) of [rows, N].
 
     A [T, H, N] input is read through its strides (Qwen3's per-head q / k norms take
     their heads out of the fused qkv output without a copy), and a program takes several
@@ -159,13 +199,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.view(x.shape)
         rs = (residual.stride(0), residual.stride(1) if heads > 1 else 0)
     rows = t * heads
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, n), dtype=Fp8Rows.FP8 if quant else x.dtype, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quant else y
     block = _pow2(n)
     per = max(1, min(32, 2048 // block))
     _rms_norm_kernel[(triton.cdiv(rows, per),)](
-        x, x if residual is None else residual, weight, y, rows, heads, *xs, *rs, y.stride(0), eps,
-        N=n, BLOCK=block, ROWS=per, HAS_RES=residual is not None, GEMMA=gemma,
+        x, x if residual is None else residual, weight, y, scale, rows, heads, *xs, *rs, y.stride(0), eps,
+        N=n, BLOCK=block, ROWS=per, HAS_RES=residual is not None, GEMMA=gemma, QUANT=quant,
         **pdl.kernel_options(x), num_warps=4 if n <= 4096 else 8)
+    if quant:
+        return Fp8Rows(y, scale, x.dtype)
     return y.view(shape)
 
 
@@ -197,3 +240,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
                                                            BLOCK=block, num_warps=4,
                                                            **pdl.kernel_options(x))
     return y.view(*x.shape[:-1], n)
+
+
+def silu_and_mul_quant(x: torch.Tensor) -> Fp8Rows:
+    """silu_and_mul's result [rows, n] quantized per token for an FP8 layer, without
+    writing it in x's dtype (rows of more than WHOLE_ROW values: the two kernels)."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    if n > WHOLE_ROW:
+        from pagedllm.model_executor.layers.quantization.fp8 import quantize_tokens
+
+        return Fp8Rows(*quantize_tokens(silu_and_mul(x2)), x.dtype)
+    y = torch.empty((x2.shape[0], n), dtype=Fp8Rows.FP8, device=x.device)
+    scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+    block = _pow2(n)
+    if x2.shape[0]:
+        _silu_mul_quant_kernel[(x2.shape[0],)](x2, y, scale, x2.stride(0), y.stride(0), N=n, BLOCK=block,
+                                               num_warps=whole_row_warps(block), **pdl.kernel_options(x))
+    return Fp8Rows(y, scale, x.dtype)

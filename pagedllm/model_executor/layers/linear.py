@@ -101,6 +101,11 @@ class LinearBase(ShardedWeights, nn.Module):
         self.register_parameter("bias", frozen_param(torch.empty(layout.out_features)) if bias else None)
         self._bias_loaded: set[str | None] = set()
 
+    def takes_fp8_rows(self) -> bool:
+        """Whether forward may be given an Fp8Rows (activations the layer before quantized
+        per token) instead of a float tensor: see quantization/fp8_rows.py."""
+        return self.method.takes_fp8_rows(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout.reduce:  # sum the ranks' partial products, add the bias once
             y = all_reduce(self.method.apply(self, x, None))

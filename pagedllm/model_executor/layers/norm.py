@@ -19,11 +19,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.gemma = gemma
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant: bool = False):
         """With `residual`, adds it first and returns (normed, new residual): the fused
-        pattern every pre-norm decoder layer uses."""
+        pattern every pre-norm decoder layer uses. `quant` (CUDA, 2-D x; the caller checks
+        that the next layer takes it): the normed rows come as an Fp8Rows."""
         if fused_ops.available(x):
-            y = fused_ops.rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+            y = fused_ops.rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma, quant=quant)
             return y if residual is None else (y, residual)
         if residual is not None:
             x = x + residual

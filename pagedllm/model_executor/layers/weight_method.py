@@ -80,6 +80,11 @@ class WeightMethod:
         """The float [out, in] weight the layer computes with (tests and fallbacks)."""
         raise NotImplementedError
 
+    def takes_fp8_rows(self, layer: LinearBase) -> bool:
+        """Whether `apply` takes activations quantized per token (an Fp8Rows) right now:
+        only FP8 products do; a wrapper (LoRA) that also reads the float input does not."""
+        return False
+
     def describe(self, layer: LinearBase) -> str:
         return self.name
 

@@ -228,7 +228,7 @@ class Attention(nn.Module):
             # nothing), or the kept rows attend alone, as decodes
             self.backend.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
             if keep.numel() == 0:
-                return x[:0]
+                return qkv.new_empty((0, s.hidden))
             q, k, v = (t.index_select(0, keep) for t in (q, k, v))
             meta, keep = meta.keep_meta, None
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
@@ -255,9 +255,17 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.silu and fused_ops.available(gate_up):
+            if self.down_proj.takes_fp8_rows():  # quantized for the FP8 product as it is made
+                return self.down_proj(fused_ops.silu_and_mul_quant(gate_up))
             return self.down_proj(fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(batch_invariant.elementwise(self.act, gate) * up)
+
+
+def _takes_fp8_rows(module: nn.Module, name: str) -> bool:
+    """Whether `module.<name>` is a linear layer that takes an Fp8Rows right now."""
+    layer = getattr(module, name, None)
+    return layer is not None and layer.takes_fp8_rows()
 
 
 class DecoderLayer(nn.Module):
@@ -277,11 +285,13 @@ class DecoderLayer(nn.Module):
         """`keep`: the rows whose output is read (the last layer's, AttentionMetadata.keep_rows);
         every row still writes its keys and values, only these go through the MLP (and,
         where the attention takes `keep`, through its queries and output projection)."""
+        quant = fused_ops.available(x) and x.dim() == 2  # norms hand FP8 layers e4m3 rows
+        qkv_quant = quant and _takes_fp8_rows(self.self_attn, "qkv_proj")
         if residual is None:
             residual = x
-            h = self.input_layernorm(x)
+            h = self.input_layernorm(x, quant=qkv_quant)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, quant=qkv_quant)
         if keep is None:
             h = self.self_attn(positions, h, kv_cache, meta)
         elif getattr(self.self_attn, "takes_keep", False):
@@ -293,7 +303,8 @@ class DecoderLayer(nn.Module):
             return h, residual
         if self.sandwich_norm:  # normed before the (fused) residual add of the next norm
             h = self.post_self_attn_layernorm(h)
-        h, residual = self.post_attention_layernorm(h, residual)
+        mlp_quant = quant and isinstance(self.mlp, MLP) and _takes_fp8_rows(self.mlp, "gate_up_proj")
+        h, residual = self.post_attention_layernorm(h, residual, quant=mlp_quant)
         h = self.mlp(h)
         if self.sandwich_norm:
             h = self.post_mlp_layernorm(h)

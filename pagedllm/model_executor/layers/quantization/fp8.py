@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from pagedllm import batch_invariant
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
+from pagedllm.model_executor.layers.quantization.fp8_rows import Fp8Rows
 from pagedllm.model_executor.layers.sharding import (
     check_shape,
     copy_block,
@@ -374,7 +375,16 @@ class Fp8Method(WeightMethod):
             return layer.weight if dtype is None else layer.weight.to(dtype)
         return dequantize(layer.weight, layer.weight_scale, self.k_block, dtype or self.dtype)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_fp8_rows(self, layer: LinearBase) -> bool:
+        """Per-token scaled activations fit the row-wise product (one scale column) on FP8
+        tensor cores, outside the batch-invariant mode (which dequantizes instead)."""
+        return self.fp8_matmul and self.k_block == layer.in_features and not batch_invariant.is_enabled()
+
+    def apply(self, layer: LinearBase, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):  # quantized by the layer before (takes_fp8_rows said so)
+            out = torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
+                                   out_dtype=torch.bfloat16).to(x.dtype)
+            return out if bias is None else out + bias
         if not self.fp8_matmul:
             return batch_invariant.linear(x, layer.weight, bias)
         if batch_invariant.is_enabled():
