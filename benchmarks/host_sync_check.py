@@ -82,7 +82,7 @@ def main() -> None:
     if args.max_num_seqs:
         engine_kw["max_num_seqs"] = args.max_num_seqs
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(0, 30000, (args.input_len,), generator=g).tolist()}
+    prompts = [{"prompt_token_ids": torch.randint(0, min(30000, w.arch_config["vocab_size"]), (args.input_len,), generator=g).tolist()}
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
