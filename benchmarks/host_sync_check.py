@@ -26,6 +26,21 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.bench_workloads import WORKLOADS, write_arch_config
 
 _RESULT = None
+STEPS: list[tuple[float, int, int]] = []  # (time scheduled, sequences, tokens) per step
+
+
+def by_size(steps: list[tuple[float, int, int]]) -> list[tuple[str, int, float, int]]:
+    """Steps grouped by how many sequences they ran: (group, steps, seconds from each step's
+    scheduling to the next one's, tokens). Under async scheduling a step's interval is
+    about the device time of the step before it."""
+    groups = [(1, 16), (17, 64), (65, 256), (257, 448), (449, 1 << 30)]
+    rows = []
+    for lo, hi in groups:
+        sel = [(b[0] - a[0], a[2]) for a, b in zip(steps, steps[1:], strict=False) if lo <= a[1] <= hi]
+        if sel:
+            name = f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
+            rows.append((name, len(sel), sum(t for t, _ in sel), sum(n for _, n in sel)))
+    return rows
 
 
 def instrument(engine) -> dict:
@@ -46,7 +61,14 @@ def instrument(engine) -> dict:
                 timers[name][1] += time.perf_counter() - t
         return wrapper
 
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    schedule = timed("schedule", engine.scheduler.schedule)
+
+    def traced():  # each step's start and size, for the by-size table
+        out = schedule()
+        STEPS.append((time.perf_counter(), len(out.chunks), out.num_batched_tokens))
+        return out
+
+    engine.scheduler.schedule = traced
     engine.scheduler.update = timed("update", engine.scheduler.update)
     runner = engine.executor.runner
     runner.launch = timed("launch", runner.launch)
@@ -109,15 +131,19 @@ def main() -> None:
         llm.engine.core.async_scheduling = asyn
         llm.engine.step()  # reads a step left in flight
         timers.clear()
+        STEPS.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}))
-    for asyn, tps, dt, timers in rows:
+        rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS)))
+    for asyn, tps, dt, timers, sizes in rows:
         print(f"async_scheduling={asyn!s:5}  {tps:10.1f} output tok/s  {dt:.3f} s")
+        for name, count, secs, tokens in sizes:
+            print(f"    steps of {name:>8s} sequences: {count:5d} steps {secs:8.3f} s  {tokens:8d} tokens  "
+                  f"{secs / count * 1e3:7.2f} ms/step")
         for name, (count, total) in sorted(timers.items()):
             print(f"    {name:18s} {count:6d} calls {total * 1e3:9.1f} ms  {total / max(count, 1) * 1e3:7.3f} ms/call")
 
