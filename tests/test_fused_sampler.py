@@ -111,3 +111,35 @@ def test_the_switch_is_on_by_default(monkeypatch):
     assert sampler_kernels.enabled()
     monkeypatch.setenv("PAGEDLLM_FUSED_SAMPLER", "0")
     assert not sampler_kernels.enabled()
+
+
+def test_low_precision_logits_are_not_copied_to_float(monkeypatch):
+    """Logits in the model's dtype go to the kernels (and the argmax) as they are when no
+    row needs them processed: the same tokens as from their float32 copy; a row asking
+    for logprobs makes the copy (its raw logprobs are float32) and keeps the tokens. No
+    greedy row (any_greedy False): no argmax at all, the same draws."""
+    if DEV != "cuda":
+        pytest.skip("bf16 logits: CUDA (the interpreter's bf16 is not CUDA's)")
+    rows, vocab = 16, 9000
+    x = _logits(rows, vocab, seed=11).to(DEV, torch.bfloat16)
+    temp = torch.tensor([0.0, 0.8, 1.0, 1.5] * 4, device=DEV)
+    seen = []
+    draw = sampler_kernels.draw
+    monkeypatch.setattr(sampler_kernels, "draw", lambda logits, *a: seen.append(logits.dtype) or draw(logits, *a))
+
+    def sample(logits, batch):
+        return Sampler(torch.Generator(device=DEV).manual_seed(4)).sample(logits, batch)
+
+    batch = SamplingBatch(temperature=temp, num_logprobs=[None] * rows)
+    low = sample(x, batch).token_ids.cpu()
+    full = sample(x.float(), batch).token_ids.cpu()
+    assert seen == [torch.bfloat16, torch.float32]
+    assert low.tolist() == full.tolist()
+    with_lp = sample(x, SamplingBatch(temperature=temp, num_logprobs=[1] + [None] * (rows - 1)))
+    assert seen[-1] == torch.float32 and with_lp.token_ids.cpu().tolist() == low.tolist()
+    assert with_lp.sel is not None and with_lp.sel.dtype == torch.float32
+    sampled = SamplingBatch(temperature=torch.full((rows,), 0.9, device=DEV), num_logprobs=[None] * rows)
+    either = sample(x, sampled).token_ids.cpu()
+    sampled.any_greedy = False
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda *a, **k: pytest.fail("argmax without greedy rows"))
+    assert sample(x, sampled).token_ids.cpu().tolist() == either.tolist()

@@ -741,6 +741,7 @@ class ModelRunner:
         b = SamplingBatch(temperature=None, generators=[s.generator for s in states],
                           num_logprobs=[p.logprobs for p in params])
         b.all_greedy = all(p.greedy for p in params)
+        b.any_greedy = any(p.greedy for p in params)
         floats: dict[str, list[float]] = {"temperature": [0.0 if p.greedy else p.temperature for p in params]}
         ints: dict[str, list[int]] = {}
         if not b.all_greedy:

@@ -39,6 +39,7 @@ class SamplingBatch:
     bias_values: torch.Tensor | None = None
     num_logprobs: list[int | None] = field(default_factory=list)
     all_greedy: bool = False
+    any_greedy: bool = True  # False: no row takes the argmax (the runner knows; unknown: True)
     # Constrained decoding: [N, ceil(V / 32)] int32 token bitmask (bit 0 = forbidden) and
     # the rows it applies to; None when no row of the batch is constrained.
     grammar_bitmask: torch.Tensor | None = None
@@ -152,6 +153,8 @@ class Sampler:
 
         if b.all_greedy:
             sampled = logits.argmax(-1)
+        elif not b.any_greedy:
+            sampled = self._drawn(logits, b)
         else:
             greedy = b.temperature == 0
             sampled = torch.where(greedy, logits.argmax(-1), self._drawn(logits, b))
@@ -190,9 +193,19 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The raw logprobs (when any row reports logprobs) and the logits after the
-        grammar mask, biases and penalties, before temperature."""
-        given, logits = logits, logits.float()
+        grammar mask, biases and penalties, before temperature.
+
+        With none of those, and the draw going to the fused kernels (or every row greedy),
+        the logits stay in the model's dtype: the argmax of the same values is the same
+        token, and the kernels read them in float32 themselves; the float copy (a write
+        and a read of rows x vocabulary floats, 0.2 ms a step at 512 rows of 128k on an
+        H100) is skipped."""
         want_lp = any(k is not None for k in b.num_logprobs)
+        if (not want_lp and b.grammar_bitmask is None and b.bias_rows is None and b.output_counts is None
+                and b.seen_mask is None
+                and (b.all_greedy or sampler_kernels.usable(logits, b.top_k, b.top_p, b.min_p))):
+            return None, logits
+        given, logits = logits, logits.float()
         raw_logprobs = logits.log_softmax(-1) if want_lp else None
         if b.grammar_bitmask is not None:
             from pagedllm.structured_output.bitmask import apply_bitmask
