@@ -260,6 +260,12 @@ trt)
     if [[ -n ${TRT_SAMPLER:-} ]]; then
         timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_sampler.py 2>&1 | tail -3
     fi
+    # TRT_TESTS=1: the GPU tests of the FP8 path first (products, activations quantized by
+    # the norm / SiLU kernels, the fused sampler)
+    if [[ ${TRT_TESTS:-0} != 0 ]]; then
+        timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8_fused_quant.py \
+            tests/test_fp8.py tests/test_fused_sampler.py 2>&1 | tail -3
+    fi
     for w in ${TRT_WORKLOADS:-trt-8b-1k trt-8b-2k}; do
         for g in ${TRT_GRAPHS:-default}; do
             for f in ${TRT_SAMPLER:-default}; do
@@ -274,6 +280,12 @@ trt)
         done
     done
     summary "$OUT"/trt-8b-*.json
+    # TRT_HOST=1: trt-8b-2k (512 x 128 in / 2,048 out) with the engine's host time per part
+    # and the steps grouped by how many sequences they ran (where the preempted tail goes)
+    if [[ ${TRT_HOST:-0} != 0 ]]; then
+        timeout "$(cap 170)" python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 \
+            --max-num-seqs 512 --input-len 128 --output-len 2048 --only-async 2>&1 | grep -v Warn | tail -18
+    fi
     ;;
 long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
