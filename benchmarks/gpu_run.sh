@@ -256,7 +256,8 @@ trt)
     fi
     # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json);
     # TRT_SAMPLER="0 1": each per PAGEDLLM_FUSED_SAMPLER (WORKLOAD-sN.json), after the fused
-    # sampler's GPU tests
+    # sampler's GPU tests; TRT_FUSED_QUANT="0 1": each per PAGEDLLM_FP8_FUSED_QUANT
+    # (WORKLOAD-qN.json)
     if [[ -n ${TRT_SAMPLER:-} ]]; then
         timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_sampler.py 2>&1 | tail -3
     fi
@@ -269,13 +270,17 @@ trt)
     for w in ${TRT_WORKLOADS:-trt-8b-1k trt-8b-2k}; do
         for g in ${TRT_GRAPHS:-default}; do
             for f in ${TRT_SAMPLER:-default}; do
-                tag=""
-                [[ $g != default ]] && tag="-g$g"
-                [[ $f != default ]] && tag="$tag-s$f"
-                env ${TRT_GRAPHS:+PAGEDLLM_MAX_GRAPH_BATCH=$g} ${TRT_SAMPLER:+PAGEDLLM_FUSED_SAMPLER=$f} \
-                    timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
-                    throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
-                    --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+                for qf in ${TRT_FUSED_QUANT:-default}; do
+                    tag=""
+                    [[ $g != default ]] && tag="-g$g"
+                    [[ $f != default ]] && tag="$tag-s$f"
+                    [[ $qf != default ]] && tag="$tag-q$qf"
+                    env ${TRT_GRAPHS:+PAGEDLLM_MAX_GRAPH_BATCH=$g} ${TRT_SAMPLER:+PAGEDLLM_FUSED_SAMPLER=$f} \
+                        ${TRT_FUSED_QUANT:+PAGEDLLM_FP8_FUSED_QUANT=$qf} \
+                        timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
+                        throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
+                        --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+                done
             done
         done
     done
@@ -284,7 +289,7 @@ trt)
     # and the steps grouped by how many sequences they ran (where the preempted tail goes)
     if [[ ${TRT_HOST:-0} != 0 ]]; then
         timeout "$(cap 170)" python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 \
-            --max-num-seqs 512 --input-len 128 --output-len 2048 --only-async 2>&1 | grep -v Warn | tail -18
+            --max-num-seqs 512 --input-len 128 --output-len 2048 --only-async 2>&1 | tail -18
     fi
     ;;
 long|long-fi)

@@ -98,6 +98,45 @@ def test_fused_quant_in_the_interpreter():
     assert res.returncode == 0 and "16 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
+def test_which_layers_take_fp8_rows(monkeypatch):
+    """Only an FP8 layer on the tensor-core path with one scale column takes pre-quantized
+    rows, and not in the batch-invariant mode or with PAGEDLLM_FP8_FUSED_QUANT=0; a LoRA
+    wrapper never does (it reads the float input too)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from pagedllm import batch_invariant
+    from pagedllm.model_executor.layers.quantization.fp8 import Fp8Method
+    from pagedllm.model_executor.lora.layers import LoRAMethod
+
+    method = Fp8Method.__new__(Fp8Method)
+    method.fp8_matmul, method.k_block = True, 64
+    layer = SimpleNamespace(in_features=64)
+    assert method.takes_fp8_rows(layer)
+    method.k_block = 32  # block scales: the 1x128 recipe quantizes per block, not per token
+    assert not method.takes_fp8_rows(layer)
+    method.k_block, method.fp8_matmul = 64, False  # dequantized at load
+    assert not method.takes_fp8_rows(layer)
+    method.fp8_matmul = True
+    monkeypatch.setattr(batch_invariant, "is_enabled", lambda: True)
+    assert not method.takes_fp8_rows(layer)
+    monkeypatch.setattr(batch_invariant, "is_enabled", lambda: False)
+    monkeypatch.setattr(fp8_method, "FUSED_QUANT", False)
+    assert not method.takes_fp8_rows(layer)
+    monkeypatch.setattr(fp8_method, "FUSED_QUANT", True)
+    lora = LoRAMethod.__new__(LoRAMethod)
+    lora.inner = method
+    assert method.takes_fp8_rows(layer) and not lora.takes_fp8_rows(layer)
+    code = "from pagedllm.model_executor.layers.quantization import fp8; print(fp8.FUSED_QUANT)"
+    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDLLM_FP8_FUSED_QUANT"}
+        if value is not None:
+            env["PAGEDLLM_FP8_FUSED_QUANT"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == want, out.stderr[-2000:]
+
+
 # ---------------------------------------------------------------------------- CUDA
 def _fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)

@@ -20,7 +20,7 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
     stub = bin_dir / "python3"
     stub.write_text('#!/usr/bin/env bash\n'
                     'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} sampler=${PAGEDLLM_FUSED_SAMPLER-unset} '
-                    'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} '
+                    'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} fq=${PAGEDLLM_FP8_FUSED_QUANT-unset} '
                     'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
@@ -61,6 +61,16 @@ def test_trt_runs_each_workload_per_graph_cap(tmp_path):
     assert len(runs) == 2, calls
     for flag, run in zip(("0", "1"), runs, strict=True):
         assert run.startswith(f"graphs=unset sampler={flag} ") and f"trt-8b-2k-s{flag}.json" in run
+    # TRT_FUSED_QUANT / TRT_TESTS / TRT_HOST: the FP8 GPU tests first, each workload with the
+    # norm / SiLU kernels' quantization off and on, then the host table
+    calls = _dry_run(tmp_path / "fq", "trt", TRT_WORKLOADS="trt-8b-1k", TRT_FUSED_QUANT="0 1", TRT_TESTS="1",
+                     TRT_HOST="1")
+    assert "-m gpu tests/test_fp8_fused_quant.py" in calls[0]
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2, calls
+    for flag, run in zip(("0", "1"), runs, strict=True):
+        assert f" fq={flag} " in run and f"trt-8b-1k-q{flag}.json" in run
+    assert "host_sync_check.py --workload trt-8b-2k" in calls[-1]
 
 
 def test_long_fi_steps_pick_ragged_or_paged(tmp_path):

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import batch_invariant
+from pagedllm.config import env_flag
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
 from pagedllm.model_executor.layers.quantization.fp8_rows import Fp8Rows
 from pagedllm.model_executor.layers.sharding import (
@@ -82,6 +83,9 @@ PROBE_TOLERANCE = 0.25
 # all-zero zero points of symmetric schemes.
 STATIC_ACTIVATION_SCALES = ("input_scale", "activation_scale", "input_scale_ub")
 ZERO_POINTS = ("weight_zero_point", "input_zero_point")
+# The layer before an FP8 product (RMSNorm, SiLU-and-mul) quantizes its output for it
+# (fp8_rows.py); off: each FP8 layer quantizes its own input.
+FUSED_QUANT = env_flag("PAGEDLLM_FP8_FUSED_QUANT", default=True)
 
 
 try:  # CUDA only; Triton-less installs keep the torch form
@@ -377,8 +381,11 @@ class Fp8Method(WeightMethod):
 
     def takes_fp8_rows(self, layer: LinearBase) -> bool:
         """Per-token scaled activations fit the row-wise product (one scale column) on FP8
-        tensor cores, outside the batch-invariant mode (which dequantizes instead)."""
-        return self.fp8_matmul and self.k_block == layer.in_features and not batch_invariant.is_enabled()
+        tensor cores, outside the batch-invariant mode (which dequantizes instead).
+        PAGEDLLM_FP8_FUSED_QUANT=0 (read at start-up) makes every layer quantize its own
+        input again: the A/B of `benchmarks/gpu_run.sh trt` (TRT_FUSED_QUANT)."""
+        return (FUSED_QUANT and self.fp8_matmul and self.k_block == layer.in_features
+                and not batch_invariant.is_enabled())
 
     def apply(self, layer: LinearBase, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the layer before (takes_fp8_rows said so)
