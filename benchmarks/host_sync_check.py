@@ -96,13 +96,7 @@ def main() -> None:
     args = p.parse_args()
     w = WORKLOADS[args.workload]
     path = write_arch_config(w.arch_config)
-    engine_kw = {}
-    if w.quantization is not None:
-        engine_kw["quantization"] = w.quantization
-    if w.kv_cache_dtype != "auto":
-        engine_kw["kv_cache_dtype"] = w.kv_cache_dtype
-    if args.max_num_seqs:
-        engine_kw["max_num_seqs"] = args.max_num_seqs
+    engine_kw = w.engine_kwargs(args.max_num_seqs)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, min(30000, w.arch_config["vocab_size"]), (args.input_len,), generator=g).tolist()}
                for _ in range(args.num_prompts)]

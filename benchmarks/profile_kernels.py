@@ -46,13 +46,7 @@ def _generate_run(args):
         path = write_adapters(tempfile.mkdtemp(prefix="pagedllm-profile-lora-"), config, 1, args.lora)[0]
         adapter = LoRARequest("adapter0", 1, path)
         lora_kw = dict(enable_lora=True, max_loras=1, max_lora_rank=args.lora)
-    engine_kw = dict(lora_kw)  # the workload's own FP8 weights / pages (trt-8b-*), its batch cap
-    if w.quantization is not None:
-        engine_kw["quantization"] = w.quantization
-    if w.kv_cache_dtype != "auto":
-        engine_kw["kv_cache_dtype"] = w.kv_cache_dtype
-    if args.max_num_seqs:
-        engine_kw["max_num_seqs"] = args.max_num_seqs
+    engine_kw = dict(lora_kw, **w.engine_kwargs(args.max_num_seqs))  # the workload's FP8 weights / pages, batch cap
     llm = LLM(model=write_arch_config(config), load_format="dummy", dtype=w.dtype,
               skip_tokenizer_init=True, device=args.device,
               enable_prefix_caching=False, **engine_kw)  # the profiled run must recompute the prompt

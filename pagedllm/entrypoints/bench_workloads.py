@@ -198,6 +198,19 @@ class Workload:
     quantization: str | None = None  # e.g. "fp8": the engine quantizes the weights at load
     kv_cache_dtype: str = "auto"
 
+    def engine_kwargs(self, max_num_seqs: int | None = None) -> dict:
+        """The engine settings the workload itself fixes (its FP8 weights and pages, for
+        trt-8b-*), plus a cap on running sequences where one is given: for the scripts
+        that build the engine themselves (profiles, host checks)."""
+        kw: dict = {}
+        if self.quantization is not None:
+            kw["quantization"] = self.quantization
+        if self.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = self.kv_cache_dtype
+        if max_num_seqs:
+            kw["max_num_seqs"] = max_num_seqs
+        return kw
+
 
 WORKLOADS: dict[str, Workload] = {
     "gpu-7b": Workload("gpu-7b", LLAMA2_7B_CONFIG, "dummy", "bfloat16", 256,
