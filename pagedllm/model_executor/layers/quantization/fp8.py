@@ -144,6 +144,12 @@ def quantize_token_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
     return q.to(FP8).contiguous(), scale.t().contiguous().t()
 
 
+def rowwise_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-token e4m3 activations xq [M, K] with float32 scales xs [M, 1] @ (fp8 weight
+    [N, K] * per-row scale [N, 1]).T -> bf16 [M, N]: torch._scaled_mm's row-wise recipe."""
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+
+
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k_block: int) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (fp8 weight [N, K] * scale).T -> bf16 [M, N] on FP8
     tensor cores.
@@ -156,8 +162,7 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k_bloc
     the [N, K/128] table stored column-major at load.
     """
     if scale.shape[1] == 1:
-        xq, xs = quantize_tokens(x)
-        return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+        return rowwise_mm(*quantize_tokens(x), weight, scale)
     if x.shape[0] == 1:
         # One row's [1, K/128] scale also reads as a 128x128-block scale of A, which
         # _scaled_mm would pick first; two rows keep decode on the same 1x128 recipe.
@@ -389,8 +394,7 @@ class Fp8Method(WeightMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, Fp8Rows):  # quantized by the layer before (takes_fp8_rows said so)
-            out = torch._scaled_mm(x.q, layer.weight.t(), scale_a=x.scale, scale_b=layer.weight_scale.view(1, -1),
-                                   out_dtype=torch.bfloat16).to(x.dtype)
+            out = rowwise_mm(x.q, x.scale, layer.weight, layer.weight_scale).to(x.dtype)
             return out if bias is None else out + bias
         if not self.fp8_matmul:
             return batch_invariant.linear(x, layer.weight, bias)

@@ -28,19 +28,22 @@ FP8_MAX = 448.0
 MIN_AMAX = 1e-12
 WHOLE_ROW = 16384  # longest row held in registers (32 values a thread at 16 warps)
 _BLOCK = 1024
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX: tl.constexpr = tl.constexpr(1.0 / FP8_MAX)
+_MIN_AMAX: tl.constexpr = tl.constexpr(MIN_AMAX)
 
 
 @triton.jit
 def row_scale(amax):
     """The per-token scale of a row (or of each row of a [R, N] block) from its amax."""
-    return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+    return tl.maximum(amax, _MIN_AMAX) * _INV_FP8_MAX
 
 
 @triton.jit
 def to_e4m3(v, scale):
     """float32 values over their row's scale, rounded once and saturated to e4m3's range
     (the caller casts to the fp8 pointer's type on store)."""
-    return tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
+    return tl.clamp(tl.math.div_rn(v, scale), -_FP8_MAX, _FP8_MAX)
 
 
 @triton.jit

@@ -24,7 +24,3 @@ class Fp8Rows:
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
-
-    def dequantize(self) -> torch.Tensor:
-        """The activations as the layer would have had them (up to e4m3 rounding)."""
-        return (self.q.float() * self.scale).to(self.dtype)
