@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|trt-probe|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -12,6 +12,7 @@
 # quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine;
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
+# trt-probe: where a trt-8b decode step's time goes (see the part);
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
 #   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
 #   the fused sampler off / on; TRT_ATTN=1: an fp8 decode attention sweep);
@@ -291,6 +292,23 @@ trt)
         timeout "$(cap 170)" python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 \
             --max-num-seqs 512 --input-len 128 --output-len 2048 --only-async 2>&1 | tail -18
     fi
+    ;;
+trt-probe)
+    # Where a trt-8b decode step's time goes, cheaply: the FP8 products by scaling (row-wise
+    # against one scale a tensor), decode attention over fp8 pages at 512 x 1,152 keys (trt-8b-2k's
+    # mean) per launch setting, page size, page layout and grid order, then one steady
+    # 512-sequence step at 1,024 keys profiled kernel by kernel (with the prefill's steps),
+    # and the same step's wall time with the activations quantized apart (PAGEDLLM_FP8_FUSED_QUANT=0).
+    timeout "$(cap 60)" python3 benchmarks/fp8_scaling_bench.py --rows 48 512 8192 \
+        --json "$OUT/fp8-scaling.json" 2>&1 | tail -14
+    timeout "$(cap 200)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
+        --shapes llama3-8b --pages fp8 --computes fp16 --settings ${ATTN_SETTINGS:-64,2,2 64,2,3 64,4,2 128,4,2 128,4,3 32,2,2} \
+        --page ${ATTN_PAGES:-16 32} --layout nhd hnd --heads-first 0 1 --json "$OUT/attn-decode-trt-probe.json" 2>&1 | tail -52
+    timeout "$(cap 150)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
+        --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\|Warning" | tail -60
+    PAGEDLLM_FP8_FUSED_QUANT=0 timeout "$(cap 100)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
+        --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-q0.json" 2>&1 | \
+        grep -v "USDT\|Warning" | tail -4
     ;;
 long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa

@@ -360,9 +360,10 @@ def test_a_long_decode_among_short_ones_splits_its_keys(monkeypatch, layout):
     assert splits in ([1], []) and combines == 0  # ([]: the rows kernel took them)
 
 
+@pytest.mark.parametrize("heads_first", [False, True], ids=["seq-grid", "heads-grid"])
 @pytest.mark.parametrize("hkv,waves,want", [(2, 0, "gqa"), (2, 64, "fp8"), (8, 0, "fp8")],
                          ids=["gqa-unsplit", "gqa-split", "mha-unsplit"])
-def test_fp8_decode_launch_follows_group_and_splits(monkeypatch, hkv, waves, want):
+def test_fp8_decode_launch_follows_group_and_splits(monkeypatch, hkv, waves, want, heads_first):
     """Over fp8 pages, grouped-query decodes whose keys are not split take
     DECODE_LAUNCH_FP8_GQA; split launches and one query head a KV head keep DECODE_LAUNCH_FP8
     (each measured fastest there); the output matches the torch reference either way."""
@@ -370,6 +371,9 @@ def test_fp8_decode_launch_follows_group_and_splits(monkeypatch, hkv, waves, wan
 
     monkeypatch.setattr(triton_backend, "MAX_KV_SPLITS", 8)
     monkeypatch.setattr(triton_backend, "KV_SPLIT_WAVES", waves)
+    # the (KV heads, sequences) grid must give the same output, split or not (the split
+    # partial sums are indexed by sequence and head whatever the grid's order)
+    monkeypatch.setattr(TritonPagedAttention, "DECODE_HEADS_FIRST", heads_first)
     seen = []
     split_launch = TritonPagedAttention._split_launch
 

@@ -154,6 +154,7 @@ def _paged_attention_kernel(
     FP8: tl.constexpr, PDL: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     CAUSAL: tl.constexpr = True, SPLIT: tl.constexpr = True, FP8_F16: tl.constexpr = False,
     KEY_SPLITS: tl.constexpr = False, SPLIT_MIN_KEYS: tl.constexpr = 256,
+    HEADS_FIRST: tl.constexpr = False,
 ):
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
@@ -169,8 +170,15 @@ def _paged_attention_kernel(
         Part += tok
         PartML += tok
         launch_dependents()
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # decode launch on a (KV heads, sequences) grid: the programs that read
+        # one sequence's pages (a page holds every KV head's rows) are placed side by side
+        kvh = tl.program_id(0)
+        pid = tl.program_id(1)
+        num_kvh = tl.num_programs(0)
+    else:
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kvh = tl.num_programs(1)
     if DIRECT:  # decode launch: tile i is sequence i, query 0
         tile = pid
         seq = pid
@@ -252,7 +260,7 @@ def _paged_attention_kernel(
             PAGE, BLOCK_N, IEEE, FP8, SOFTCAP, ALIBI, WINDOW, CAUSAL, True)
     if KEY_SPLITS:
         if chunk < keys:  # the split's unnormalised sums, for _combine_splits_kernel
-            part = (tile * tl.num_programs(1) + kvh) * KV_SPLITS + split
+            part = (tile * num_kvh + kvh) * KV_SPLITS + split
             tl.store(Part + part * BLOCK_M * BLOCK_D + m[:, None] * BLOCK_D + d[None, :], acc)
             tl.store(PartML + part * 2 * BLOCK_M + m, m_i)
             tl.store(PartML + part * 2 * BLOCK_M + BLOCK_M + m, l_i)
@@ -499,6 +507,10 @@ class TritonPagedAttention:
     # sums on the CUDA cores). "dot" until benchmarks/attn_decode_bench.py shows otherwise.
     DECODE_ROWS = "dot"
     DECODE_ROWS_LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    # Decode launches on a (KV heads, sequences) grid instead of (sequences, KV heads): the
+    # programs reading one page's rows run together (PAGEDLLM_DECODE_HEADS_FIRST=1; A/B in
+    # benchmarks/attn_decode_bench.py --heads-first 0 1).
+    DECODE_HEADS_FIRST = os.environ.get("PAGEDLLM_DECODE_HEADS_FIRST", "0") == "1"
     BLOCK_M_PREFILL, PREFILL_LAUNCH = _prefill_setting(64, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
 
     @classmethod
@@ -585,7 +597,7 @@ class TritonPagedAttention:
             if k_cache.dtype == torch.float8_e4m3fn:
                 launch = cls.DECODE_LAUNCH_FP8_GQA if group > 1 and splits == 1 else cls.DECODE_LAUNCH_FP8
             cls._split_launch(args, (meta.q_start, meta.q_start), slopes, out, meta, common, launch,
-                              meta.num_decode, hkv, splits, 1, block_m, True)
+                              meta.num_decode, hkv, splits, 1, block_m, True, cls.DECODE_HEADS_FIRST)
         if meta.num_prefill_tiles:
             cls._prefill(q, k, v, k_cache, v_cache, out, meta, scale, args, common, slopes,
                          plain=(alibi_slopes is None and sliding_window is None and logits_soft_cap is None
@@ -612,7 +624,7 @@ class TritonPagedAttention:
     @staticmethod
     def _split_launch(args: tuple, tiles: tuple, slopes, out, meta: AttentionMetadata, common: dict,
                       launch: dict, units: int, hkv: int, splits: int, tile_q: int, block_m: int,
-                      direct: bool) -> None:
+                      direct: bool, heads_first: bool = False) -> None:
         """The attention kernel over `units` tiles (decodes when `direct`) x KV heads, each
         tile's keys split over `splits` programs; with more than one, the partial sums go to
         scratch buffers and _combine_splits_kernel writes the tiles' outputs."""
@@ -625,9 +637,11 @@ class TritonPagedAttention:
             common = dict(common,
                           Part=torch.empty(n * block_m * common["BLOCK_D"], dtype=torch.float32, device=out.device),
                           PartML=torch.empty(n * 2 * block_m, dtype=torch.float32, device=out.device))
-        _paged_attention_kernel[(units, hkv, splits)](
+        heads_first = heads_first and direct
+        grid = (hkv, units, splits) if heads_first else (units, hkv, splits)
+        _paged_attention_kernel[grid](
             *args, *tiles, slopes, TILE_Q=tile_q, BLOCK_M=block_m, DIRECT=direct, KEY_SPLITS=splits > 1,
-            SPLIT_MIN_KEYS=SPLIT_MIN_KEYS, **common, **launch)
+            SPLIT_MIN_KEYS=SPLIT_MIN_KEYS, HEADS_FIRST=heads_first, **common, **launch)
         if splits > 1:
             _combine_splits_kernel[(units, hkv)](
                 common["Part"], common["PartML"], out, meta.q_start, meta.q_len, meta.ctx_len, *tiles,
