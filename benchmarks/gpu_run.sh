@@ -309,6 +309,13 @@ trt-probe)
     PAGEDLLM_FP8_FUSED_QUANT=0 timeout "$(cap 100)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
         --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-q0.json" 2>&1 | \
         grep -v "USDT\|Warning" | tail -4
+    # FlashInfer's fp8 batch decode over the same pages, both layouts (carry .whl-fi; its
+    # kernels build just in time, so this comes last)
+    if [[ ${TRT_FI:-1} != 0 ]] && install_flashinfer; then
+        timeout "$(cap 200)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
+            --shapes llama3-8b --pages fp8 --computes fp16 --settings 64,2,2 --layout nhd hnd --flashinfer \
+            --json "$OUT/attn-decode-trt-fi.json" 2>&1 | grep -v Warning | tail -8
+    fi
     ;;
 long|long-fi)
     # Long context on the Llama-3.1-8B shape: TTFT of one 32k prompt (median of 3, HF sdpa
