@@ -294,23 +294,33 @@ trt)
     fi
     ;;
 trt-probe)
-    # Where a trt-8b decode step's time goes, cheaply: the FP8 products by scaling (row-wise
-    # against one scale a tensor), decode attention over fp8 pages at 512 x 1,152 keys (trt-8b-2k's
-    # mean) per launch setting, page size, page layout and grid order, then one steady
-    # 512-sequence step at 1,024 keys profiled kernel by kernel (with the prefill's steps),
-    # and the same step's wall time with the activations quantized apart (PAGEDLLM_FP8_FUSED_QUANT=0).
-    timeout "$(cap 60)" python3 benchmarks/fp8_scaling_bench.py --rows 48 512 8192 \
-        --json "$OUT/fp8-scaling.json" 2>&1 | tail -14
-    timeout "$(cap 200)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
-        --shapes llama3-8b --pages fp8 --computes fp16 --settings ${ATTN_SETTINGS:-64,2,2 64,2,3 64,4,2 128,4,2 128,4,3 32,2,2} \
-        --page ${ATTN_PAGES:-16 32} --layout nhd hnd --heads-first 0 1 --json "$OUT/attn-decode-trt-probe.json" 2>&1 | tail -52
+    # Where a trt-8b decode step's time goes, cheaply, most telling first: one steady
+    # 512-sequence step at 1,024 keys profiled kernel by kernel (with the prefill's steps);
+    # the same step's wall time with the activations quantized apart
+    # (PAGEDLLM_FP8_FUSED_QUANT=0), over head-major pages (PAGEDLLM_KV_LAYOUT=hnd) and on the
+    # (KV heads, sequences) decode grid (PAGEDLLM_DECODE_HEADS_FIRST=1); decode attention
+    # alone over fp8 pages at 512 x 1,152 keys (trt-8b-2k's mean) per launch setting, page
+    # size, layout and grid order; the FP8 products by scaling (row-wise against one scale
+    # a tensor); FlashInfer's fp8 batch decode last (carry .whl-fi; its kernels build just
+    # in time; TRT_FI=0 skips it).
+    step() {  # step TAG [ENV=VALUE...]: the decode step's wall time alone
+        local tag=$1
+        shift
+        env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
+            --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-$tag.json" 2>&1 | \
+            grep -v "USDT\|Warning" | tail -2
+    }
     timeout "$(cap 150)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
         --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\|Warning" | tail -60
-    PAGEDLLM_FP8_FUSED_QUANT=0 timeout "$(cap 100)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
-        --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-q0.json" 2>&1 | \
-        grep -v "USDT\|Warning" | tail -4
-    # FlashInfer's fp8 batch decode over the same pages, both layouts (carry .whl-fi; its
-    # kernels build just in time, so this comes last)
+    step q0 PAGEDLLM_FP8_FUSED_QUANT=0
+    step hnd PAGEDLLM_KV_LAYOUT=hnd
+    step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
+    step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
+    timeout "$(cap 150)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
+        --shapes llama3-8b --pages fp8 --computes fp16 --settings ${ATTN_SETTINGS:-64,2,2 64,2,3 64,4,2 128,4,2 128,4,3 32,2,2} \
+        --page ${ATTN_PAGES:-16 32} --layout nhd hnd --heads-first 0 1 --json "$OUT/attn-decode-trt-probe.json" 2>&1 | tail -52
+    timeout "$(cap 60)" python3 benchmarks/fp8_scaling_bench.py --rows 48 512 8192 \
+        --json "$OUT/fp8-scaling.json" 2>&1 | tail -14
     if [[ ${TRT_FI:-1} != 0 ]] && install_flashinfer; then
         timeout "$(cap 200)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
             --shapes llama3-8b --pages fp8 --computes fp16 --settings 64,2,2 --layout nhd hnd --flashinfer \

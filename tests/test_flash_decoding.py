@@ -1,6 +1,6 @@
 """Flash-decoding (decode launches that split each sequence's keys over programs) on the
 CPU, in Triton's interpreter: the kernel cases of test_triton_attention.py that force
-splits, and a whole engine on the Triton attention backend with the default settings (splits on),
+splits (and those over head-major pages), and a whole engine on the Triton attention backend with the default settings (splits on),
 whose greedy tokens must equal HF transformers', and PAGEDLLM_DECODE_KV_SPLITS=1 turning
 them off; and the decode graphs' second set, for one long context among short ones. In
 subprocesses: TRITON_INTERPRET and PAGEDLLM_DECODE_KV_SPLITS are read when
@@ -35,6 +35,9 @@ for p, o in zip(prompts, outs):
     assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, 6)[0], (o.outputs[0].token_ids, p[:5])
 want_split = sys.argv[2] == "on"
 assert splits and all((n > 1) == want_split for n in splits), splits  # every decode launch
+kc = llm.engine.executor.runner.kv_caches[0][0]  # [blocks, page, kv heads, dim] either way
+head_major = kc.stride(2) == kc.shape[1] * kc.shape[3]
+assert head_major == (sys.argv[3] == "hnd"), (kc.shape, kc.stride())
 print("ok", splits[:3])
 """
 
@@ -42,16 +45,18 @@ print("ok", splits[:3])
 def test_split_kernel_cases_interpreted():
     pytest.importorskip("triton")
     res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_attention.py",
-                           "-k", "split"], 600)
+                           "-k", "split or head_major"], 600)
     assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
     assert "skipped" not in res.stdout.splitlines()[-1], res.stdout[-500:]
 
 
-@pytest.mark.parametrize("splits", ["default", "1"])
-def test_engine_with_split_decodes_matches_hf(tmp_path, splits):
+@pytest.mark.parametrize("splits,layout", [("default", "nhd"), ("1", "nhd"), ("default", "hnd")])
+def test_engine_with_split_decodes_matches_hf(tmp_path, splits, layout):
+    """Also with head-major pages (PAGEDLLM_KV_LAYOUT=hnd): the pool's layout changes, the
+    tokens do not."""
     pytest.importorskip("triton")
-    res = run_interpreted(["-c", ENGINE_CASE, str(tmp_path), "on" if splits == "default" else "off"], 600,
-                          PAGEDLLM_ATTENTION_BACKEND="triton",
+    res = run_interpreted(["-c", ENGINE_CASE, str(tmp_path), "on" if splits == "default" else "off", layout],
+                          600, PAGEDLLM_ATTENTION_BACKEND="triton", PAGEDLLM_KV_LAYOUT=layout,
                           PAGEDLLM_DECODE_KV_SPLITS=None if splits == "default" else splits)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok"), \
         res.stdout[-2000:] + res.stderr[-3000:]

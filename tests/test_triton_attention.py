@@ -398,3 +398,36 @@ def test_fp8_decode_launch_follows_group_and_splits(monkeypatch, hkv, waves, wan
     assert launch is expect
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same pages stored head-major ([blocks, kv_heads, page, dim]), seen as
+    [blocks, page, kv_heads, dim] (what PageSpec.layer_views gives the kernels)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-dtype", "fp8"])
+@pytest.mark.parametrize("heads_first", [False, True], ids=["seq-grid", "heads-grid"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["gqa4", "gqa2-d128"])
+def test_head_major_pages_match_token_major(monkeypatch, case, heads_first, fp8):
+    """Head-major pages (PAGEDLLM_KV_LAYOUT=hnd): the write kernel puts every new key and
+    value where the token-major run puts it (compared element by element through the
+    views), and decodes and prefills over them give the token-major output exactly."""
+    hq, hkv, dim, page, seqs = case
+    monkeypatch.setattr(TritonPagedAttention, "DECODE_HEADS_FIRST", heads_first)
+    seqs = sorted(seqs, key=lambda s: s[0] != 1)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    q, k, v, kc, vc, tables, slots, q_start, ql, ctx, nd = paged_batch(seqs, hq, hkv, dim, page, dtype, seed=3)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    q, k, v, kc, vc = (x.to(DEV) for x in (q, k, v, kc, vc))
+    meta = paged_meta(tables, slots, q_start, ql, ctx, nd, TritonPagedAttention.tile_q(hq // hkv), DEV)
+    kc_t, vc_t = kc.clone(), vc.clone()
+    kc_h, vc_h = _head_major(kc), _head_major(vc)
+    assert kc_h.stride(2) == page * dim and not kc_h.is_contiguous()
+    want = TritonPagedAttention.forward(q, k, v, kc_t, vc_t, meta, dim**-0.5, k_scale=0.5, v_scale=0.7)
+    got = TritonPagedAttention.forward(q, k, v, kc_h, vc_h, meta, dim**-0.5, k_scale=0.5, v_scale=0.7)
+    assert torch.equal(kc_h.view(torch.uint8) if fp8 else kc_h, kc_t.view(torch.uint8) if fp8 else kc_t)
+    assert torch.equal(vc_h.view(torch.uint8) if fp8 else vc_h, vc_t.view(torch.uint8) if fp8 else vc_t)
+    assert not torch.equal(kc_t.float(), kc.float())  # the step wrote its keys
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -63,6 +63,7 @@ class _Plan:
 
 class FlashInferPrefillAttention(TritonPagedAttention):
     name = "flashinfer"
+    HEAD_MAJOR_PAGES = False  # its wrappers are planned for token-major (NHD) pages
     WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (its split-KV partial sums)
     HEAD_DIMS = (64, 128, 256)
     RAGGED = _ragged_enabled()

@@ -41,9 +41,27 @@ class PageSpec:
         """Every layer's pages for one token."""
         return num_layers * self.elements_per_token * elem_bytes
 
-    def pool_shape(self, num_layers: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """The one tensor that holds the whole pool: [layers, parts, blocks, block_size, *token_shape]."""
+    def head_major(self, wanted: bool) -> bool:
+        """Whether the pool is laid out head-major (see pool_shape): only K/V pages have heads."""
+        return wanted and self.kind == "kv" and len(self.token_shape) == 2
+
+    def pool_shape(self, num_layers: int, num_blocks: int, block_size: int,
+                   head_major: bool = False) -> tuple[int, ...]:
+        """The one tensor that holds the whole pool: [layers, parts, blocks, block_size,
+        *token_shape]; head-major, [layers, parts, blocks, kv_heads, block_size, head_dim]
+        (each KV head's rows of a page contiguous, what a decode program reads)."""
+        if self.head_major(head_major):
+            heads, dim = self.token_shape
+            return (num_layers, self.parts, num_blocks, heads, block_size, dim)
         return (num_layers, self.parts, num_blocks, block_size, *self.token_shape)
+
+    def layer_views(self, cache, num_layers: int, head_major: bool = False) -> list[tuple]:
+        """Each layer's parts as [blocks, block_size, *token_shape] tensors, whatever the
+        pool's layout: a head-major pool's are transposed views, which the kernels read
+        and write through their strides."""
+        if self.head_major(head_major):
+            return [tuple(cache[i, p].transpose(1, 2) for p in range(self.parts)) for i in range(num_layers)]
+        return [tuple(cache[i, p] for p in range(self.parts)) for i in range(num_layers)]
 
     def describe(self) -> str:
         """e.g. `K and V [8 x 128] per layer`, `mla-latent [576] per layer`."""

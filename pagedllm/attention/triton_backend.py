@@ -32,8 +32,11 @@ from pagedllm.pdl import launch_dependents, wait
 
 
 @triton.jit
-def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs, inv_k_scale, inv_v_scale,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cb, stride_cs, stride_ch,
+                     inv_k_scale, inv_v_scale, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    """One token's K and V rows (every KV head) into its slot's page, through the pages'
+    strides: token-major pages (a slot's heads contiguous) or head-major ones."""
     if PDL:  # placed early (pagedllm.pdl): wait for the kernel before, let the next be placed
         tok = wait()
         K += tok
@@ -50,8 +53,10 @@ def _write_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs, inv_k
         if FP8:  # e4m3 pages hold x / scale, saturated (e4m3fn has no infinity)
             k = tl.clamp(k.to(tl.float32) * inv_k_scale, -448.0, 448.0).to(KC.dtype.element_ty)
             v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0).to(VC.dtype.element_ty)
-        tl.store(KC + slot * stride_cs + offs, k, mask=mask)
-        tl.store(VC + slot * stride_cs + offs, v, mask=mask)
+        dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + (offs // HEAD_DIM) * stride_ch \
+            + offs % HEAD_DIM
+        tl.store(KC + dst, k, mask=mask)
+        tl.store(VC + dst, v, mask=mask)
 
 
 @triton.jit
@@ -511,6 +516,10 @@ class TritonPagedAttention:
     # programs reading one page's rows run together (PAGEDLLM_DECODE_HEADS_FIRST=1; A/B in
     # benchmarks/attn_decode_bench.py --heads-first 0 1).
     DECODE_HEADS_FIRST = os.environ.get("PAGEDLLM_DECODE_HEADS_FIRST", "0") == "1"
+    # The page pool head-major ([blocks, kv_heads, block_size, head_dim] a layer part: a
+    # decode program's rows of a page contiguous) instead of token-major; the kernels read
+    # and write either through strides (PAGEDLLM_KV_LAYOUT=hnd|nhd; PageSpec.pool_shape).
+    HEAD_MAJOR_PAGES = os.environ.get("PAGEDLLM_KV_LAYOUT", "nhd").lower() == "hnd"
     BLOCK_M_PREFILL, PREFILL_LAUNCH = _prefill_setting(64, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2})
 
     @classmethod
@@ -529,9 +538,9 @@ class TritonPagedAttention:
         t, h, d = k.shape
         row = h * d
         _write_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                               k_cache.stride(1), 1.0 / k_scale, 1.0 / v_scale, ROW=row,
-                               BLOCK=_pow2(row), FP8=k_cache.dtype == torch.float8_e4m3fn,
-                               **pdl.kernel_options(k))
+                               *k_cache.stride()[:3], 1.0 / k_scale, 1.0 / v_scale, ROW=row,
+                               BLOCK=_pow2(row), HEAD_DIM=d, PAGE=k_cache.shape[1],
+                               FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl.kernel_options(k))
 
     @staticmethod
     def _launch_args(q, k_cache, v_cache, out, meta: AttentionMetadata, scale: float,
@@ -667,6 +676,7 @@ class TritonInvariantAttention(TritonPagedAttention):
 
     name = "triton_invariant"
     BLOCK_M = 64
+    HEAD_MAJOR_PAGES = False  # the invariant mode keeps one layout (batch_invariant.py's views)
 
     @classmethod
     def tile_q(cls, group: int) -> int:

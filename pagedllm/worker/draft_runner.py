@@ -74,9 +74,10 @@ class DraftRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s, r, spec = self.shape, self.runner, self.model.page_spec
-        shape = spec.pool_shape(s.num_layers, num_blocks, r.block_size)
+        head_major = getattr(r.backend, "HEAD_MAJOR_PAGES", False)
+        shape = spec.pool_shape(s.num_layers, num_blocks, r.block_size, head_major)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, r.kv_dtype, r.device)
-        self.kv_caches = [tuple(cache[i, p] for p in range(spec.parts)) for i in range(s.num_layers)]
+        self.kv_caches = spec.layer_views(cache, s.num_layers, head_major)
 
     # ------------------------------------------------------------------ proposing
     def propose(self, chunks: list[ScheduledChunk]) -> None:

@@ -362,10 +362,10 @@ class ModelRunner:
         """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
         K and V of [kv_heads, head_dim] each, or one MLA latent), and the draft model's, of
         as many blocks: it writes the same slots."""
-        shape = self.page_spec.pool_shape(self.num_layers, num_blocks, self.block_size)
+        head_major = getattr(self.backend, "HEAD_MAJOR_PAGES", False)
+        shape = self.page_spec.pool_shape(self.num_layers, num_blocks, self.block_size, head_major)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, self.kv_dtype, self.device)
-        parts = self.page_spec.parts
-        self.kv_caches = [tuple(cache[i, p] for p in range(parts)) for i in range(self.num_layers)]
+        self.kv_caches = self.page_spec.layer_views(cache, self.num_layers, head_major)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
 
