@@ -21,7 +21,8 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
     stub.write_text('#!/usr/bin/env bash\n'
                     'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} sampler=${PAGEDLLM_FUSED_SAMPLER-unset} '
                     'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} fq=${PAGEDLLM_FP8_FUSED_QUANT-unset} '
-                    'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} $*" >> "$CALLS_LOG"\n'
+                    'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} kvl=${PAGEDLLM_KV_LAYOUT-unset} '
+                    'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log),
@@ -83,3 +84,21 @@ def test_long_fi_steps_pick_ragged_or_paged(tmp_path):
     assert "ragged=1" in chunk and "--max-num-batched-tokens 8192" in chunk
     assert "ragged=0" in paged and "--max-num-batched-tokens 32768" in paged
     assert not any("-m pytest" in c for c in calls)  # "tests" was not among the steps
+
+
+def test_trt_probe_times_the_step_per_switch(tmp_path):
+    """trt-probe: the profiled step first, then the step's wall time alone per switch
+    (fused quantization off, head-major pages, the heads-first grid, both), then the
+    microbenchmarks (FlashInfer's decode last, where its wheels install: the stub says they do)."""
+    calls = _dry_run(tmp_path, "trt-probe")
+    steps = [c for c in calls if "decode_step_profile.py" in c]
+    assert len(steps) == 5, calls
+    assert "--profile-steps 0" not in steps[0] and "decode-step-trt-8b.json" in steps[0]
+    want = [("fq=0", "kvl=unset", "hf=unset", "-q0.json"), ("fq=unset", "kvl=hnd", "hf=unset", "-hnd.json"),
+            ("fq=unset", "kvl=unset", "hf=1", "-hf1.json"), ("fq=unset", "kvl=hnd", "hf=1", "-hnd-hf1.json")]
+    for call, marks in zip(steps[1:], want, strict=True):
+        assert "--profile-steps 0" in call and all(m in call for m in marks), (call, marks)
+    attn = [c for c in calls if "attn_decode_bench.py" in c]
+    assert len(attn) == 2 and "--heads-first 0 1" in attn[0] and "--flashinfer" in attn[1], attn
+    assert all("--layout nhd hnd" in c for c in attn)
+    assert any("fp8_scaling_bench.py" in c for c in calls)
