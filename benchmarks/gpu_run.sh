@@ -297,8 +297,9 @@ trt-probe)
     # Where a trt-8b decode step's time goes, cheaply, most telling first: one steady
     # 512-sequence step at 1,024 keys profiled kernel by kernel (with the prefill's steps);
     # the same step's wall time with the activations quantized apart
-    # (PAGEDLLM_FP8_FUSED_QUANT=0), over head-major pages (PAGEDLLM_KV_LAYOUT=hnd) and on the
-    # (KV heads, sequences) decode grid (PAGEDLLM_DECODE_HEADS_FIRST=1); decode attention
+    # (PAGEDLLM_FP8_FUSED_QUANT=0), over head-major pages (PAGEDLLM_KV_LAYOUT=hnd), on the
+    # (KV heads, sequences) decode grid (PAGEDLLM_DECODE_HEADS_FIRST=1) and with the graphs'
+    # block tables uploaded whole (PAGEDLLM_GRAPH_TABLE_UPLOAD=full); decode attention
     # alone over fp8 pages at 512 x 1,152 keys (trt-8b-2k's mean) per launch setting, page
     # size, layout and grid order; the FP8 products by scaling (row-wise against one scale
     # a tensor); FlashInfer's fp8 batch decode last (carry .whl-fi; its kernels build just
@@ -316,6 +317,7 @@ trt-probe)
     step hnd PAGEDLLM_KV_LAYOUT=hnd
     step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
     step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
+    step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
     timeout "$(cap 150)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
         --shapes llama3-8b --pages fp8 --computes fp16 --settings ${ATTN_SETTINGS:-64,2,2 64,2,3 64,4,2 128,4,2 128,4,3 32,2,2} \
         --page ${ATTN_PAGES:-16 32} --layout nhd hnd --heads-first 0 1 --json "$OUT/attn-decode-trt-probe.json" 2>&1 | tail -52

@@ -92,10 +92,11 @@ def test_trt_probe_times_the_step_per_switch(tmp_path):
     microbenchmarks (FlashInfer's decode last, where its wheels install: the stub says they do)."""
     calls = _dry_run(tmp_path, "trt-probe")
     steps = [c for c in calls if "decode_step_profile.py" in c]
-    assert len(steps) == 5, calls
+    assert len(steps) == 6, calls
     assert "--profile-steps 0" not in steps[0] and "decode-step-trt-8b.json" in steps[0]
     want = [("fq=0", "kvl=unset", "hf=unset", "-q0.json"), ("fq=unset", "kvl=hnd", "hf=unset", "-hnd.json"),
-            ("fq=unset", "kvl=unset", "hf=1", "-hf1.json"), ("fq=unset", "kvl=hnd", "hf=1", "-hnd-hf1.json")]
+            ("fq=unset", "kvl=unset", "hf=1", "-hf1.json"), ("fq=unset", "kvl=hnd", "hf=1", "-hnd-hf1.json"),
+            ("fq=unset", "kvl=unset", "hf=unset", "-tfull.json")]
     for call, marks in zip(steps[1:], want, strict=True):
         assert "--profile-steps 0" in call and all(m in call for m in marks), (call, marks)
     attn = [c for c in calls if "attn_decode_bench.py" in c]

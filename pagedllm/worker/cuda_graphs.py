@@ -31,6 +31,11 @@ from pagedllm.config import env_flag
 logger = logging.getLogger(__name__)
 
 
+# Block tables go to the graphs' inputs compacted to a step's columns (_GraphInputs.upload);
+# PAGEDLLM_GRAPH_TABLE_UPLOAD=full copies every column instead (for an A/B).
+COMPACT_TABLES = os.environ.get("PAGEDLLM_GRAPH_TABLE_UPLOAD", "compact") != "full"
+
+
 def max_graph_batch() -> int:
     """Decode steps of up to this many sequences replay graphs; larger ones run eagerly.
     PAGEDLLM_MAX_GRAPH_BATCH (default 512) sets it; the runner also stops at max_num_seqs.
@@ -82,10 +87,12 @@ class _GraphInputs:
     scheduling the next step is laid out while the previous copy may still be queued, so a
     buffer is only rewritten once the event recorded after its own copy has passed."""
 
-    def __init__(self, lengths: dict[str, int], device: torch.device):
+    def __init__(self, lengths: dict[str, int], device: torch.device, table_width: int | None = None):
+        """`table_width`: the block tables' row width, where a "tables" field holds them
+        (it is laid out last): upload(table_cols) then copies only the columns a step uses."""
         self._off: dict[str, int] = {}
         n = 0
-        for name, length in lengths.items():
+        for name, length in sorted(lengths.items(), key=lambda kv: kv[0] == "tables"):
             self._off[name] = n
             n += -(-length // 16) * 16
         pinned = device.type == "cuda"  # (the CPU runs them only in the layout tests)
@@ -93,6 +100,12 @@ class _GraphInputs:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
+        self._width = table_width if "tables" in lengths else None
+        if self._width:
+            self._table_rows = lengths["tables"] // self._width
+            size = self._table_rows * self._width
+            self._stages = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+            self._stage_dev = torch.zeros(size, dtype=torch.int32, device=device)
 
     def field(self, name: str, size: int, buf: torch.Tensor | np.ndarray | None = None):
         buf = self.dev if buf is None else buf
@@ -109,9 +122,24 @@ class _GraphInputs:
             self._copied[self._turn].synchronize()
         return self._hosts[self._turn].numpy()
 
-    def upload(self) -> None:
-        """Copy the buffer just laid out to the device, behind the queued work."""
-        self.dev.copy_(self._hosts[self._turn], non_blocking=True)
+    def upload(self, table_cols: int | None = None) -> None:
+        """Copy the buffer just laid out to the device, behind the queued work. With
+        `table_cols`, the block tables' first columns alone (every row: a padding row
+        reads its first entry): each row is as wide as the longest context the graphs
+        allow (8,192 entries at 128k tokens of 16), and the whole of them, 16 MB at 512
+        rows, would cross the bus every step ahead of the replay; the columns go over
+        compacted and are spread into place on the device."""
+        host, t0 = self._hosts[self._turn], self._off.get("tables")
+        if not self._width or table_cols is None or table_cols >= self._width or not COMPACT_TABLES:
+            self.dev.copy_(host, non_blocking=True)
+        else:
+            rows, w, c = self._table_rows, self._width, max(1, table_cols)
+            self.dev[:t0].copy_(host[:t0], non_blocking=True)
+            stage = self._stages[self._turn][: rows * c]
+            stage.numpy().reshape(rows, c)[:] = host[t0 : t0 + rows * w].numpy().reshape(rows, w)[:, :c]
+            dev_stage = self._stage_dev[: rows * c]
+            dev_stage.copy_(stage, non_blocking=True)
+            self.dev[t0 : t0 + rows * w].view(rows, w)[:, :c].copy_(dev_stage.view(rows, c))
         if self.dev.is_cuda:
             done = self._copied[self._turn] = self._copied[self._turn] or torch.cuda.Event()
             done.record()
@@ -203,7 +231,7 @@ class DecodeGraphs(_StepGraphs):
         self.lora = lora  # a LoRABatch, or None
         b, w = self.max_batch, self.width
         self.inputs = _GraphInputs({"ids": b, "pos": b, "slots": b, "q_start": b, "q_len": b,
-                                    "ctx": b, "tables": b * w}, device)
+                                    "ctx": b, "tables": b * w}, device, w)
         for h in self.inputs.hosts():
             self.inputs.field("q_start", b, h)[:] = np.arange(b)
             self.inputs.field("q_len", b, h)[:] = 1
@@ -262,7 +290,7 @@ class DecodeGraphs(_StepGraphs):
             self.inputs.field(name, n, h)[:] = arrays[key]
         self._pad_decodes(h, n, self.max_batch)
         self._tables(h)[:n, : tables.shape[1]] = tables
-        self.inputs.upload()
+        self.inputs.upload(tables.shape[1])
         if before_replay is not None:
             before_replay(self.inputs.field("ids", n))
         if self.lora is not None:
@@ -290,7 +318,7 @@ class VerifyGraphs(_StepGraphs):
         b, w = self.max_batch, self.width
         self.q = q = rows_per_seq
         self.inputs = _GraphInputs({"ids": b * q, "pos": b * q, "slots": b * q, "rows": b * q,
-                                    "q_start": b, "q_len": b, "ctx": b, "tables": b * w}, device)
+                                    "q_start": b, "q_len": b, "ctx": b, "tables": b * w}, device, w)
         for h in self.inputs.hosts():
             self.inputs.field("q_start", b, h)[:] = np.arange(b) * q
             self.inputs.field("q_len", b, h)[:] = q
@@ -347,7 +375,7 @@ class VerifyGraphs(_StepGraphs):
         self.inputs.field("rows", total, h)[:] = dst
         self.inputs.field("ctx", n, h)[:] = arrays["ctx_len"]
         self._tables(h)[:n, : tables.shape[1]] = tables
-        self.inputs.upload()
+        self.inputs.upload(tables.shape[1])
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size].index_select(0, self.inputs.field("rows", total))
@@ -380,7 +408,7 @@ class MixedGraphs(_StepGraphs):
         self.inputs = _GraphInputs({"ids": b + c, "pos": b + c, "slots": b + c, "q_start": seqs,
                                     "q_len": seqs, "ctx": seqs, "tables": seqs * w,
                                     "tiles": 2 * self.max_tiles, "sample": b + p,
-                                    "gather": b + p}, device)
+                                    "gather": b + p}, device, w)
         for h in self.inputs.hosts():  # nothing a warm-up run does writes a page
             self.inputs.field("slots", b + c, h)[:] = -1
             self.inputs.field("ctx", seqs, h)[:] = 1
@@ -493,7 +521,7 @@ class MixedGraphs(_StepGraphs):
         chunk_of = np.searchsorted(ends + nd, step_rows, side="right")
         gather = np.where(step_rows < nd, step_rows, size + chunk_of)
         f("gather", size + p, h)[: len(gather)] = gather
-        self.inputs.upload()
+        self.inputs.upload(tables.shape[1])
         if before_replay is not None:
             before_replay(self.inputs.field("ids", nd))
         self.graphs[(size, rows)].replay()
