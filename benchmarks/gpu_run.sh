@@ -258,7 +258,7 @@ trt)
     # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json);
     # TRT_SAMPLER="0 1": each per PAGEDLLM_FUSED_SAMPLER (WORKLOAD-sN.json), after the fused
     # sampler's GPU tests; TRT_FUSED_QUANT="0 1": each per PAGEDLLM_FP8_FUSED_QUANT
-    # (WORKLOAD-qN.json)
+    # (WORKLOAD-qN.json); TRT_KV_LAYOUT="nhd hnd": each per PAGEDLLM_KV_LAYOUT (WORKLOAD-hnd.json)
     if [[ -n ${TRT_SAMPLER:-} ]]; then
         timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider tests/test_fused_sampler.py 2>&1 | tail -3
     fi
@@ -272,15 +272,18 @@ trt)
         for g in ${TRT_GRAPHS:-default}; do
             for f in ${TRT_SAMPLER:-default}; do
                 for qf in ${TRT_FUSED_QUANT:-default}; do
+                  for kl in ${TRT_KV_LAYOUT:-default}; do
                     tag=""
                     [[ $g != default ]] && tag="-g$g"
                     [[ $f != default ]] && tag="$tag-s$f"
                     [[ $qf != default ]] && tag="$tag-q$qf"
+                    [[ $kl != default ]] && tag="$tag-$kl"
                     env ${TRT_GRAPHS:+PAGEDLLM_MAX_GRAPH_BATCH=$g} ${TRT_SAMPLER:+PAGEDLLM_FUSED_SAMPLER=$f} \
-                        ${TRT_FUSED_QUANT:+PAGEDLLM_FP8_FUSED_QUANT=$qf} \
+                        ${TRT_FUSED_QUANT:+PAGEDLLM_FP8_FUSED_QUANT=$qf} ${TRT_KV_LAYOUT:+PAGEDLLM_KV_LAYOUT=$kl} \
                         timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
                         throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
                         --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+                  done
                 done
             done
         done

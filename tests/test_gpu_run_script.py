@@ -103,3 +103,10 @@ def test_trt_probe_times_the_step_per_switch(tmp_path):
     assert len(attn) == 2 and "--heads-first 0 1" in attn[0] and "--flashinfer" in attn[1], attn
     assert all("--layout nhd hnd" in c for c in attn)
     assert any("fp8_scaling_bench.py" in c for c in calls)
+
+
+def test_trt_kv_layout_switch(tmp_path):
+    calls = _dry_run(tmp_path, "trt", TRT_WORKLOADS="trt-8b-2k", TRT_KV_LAYOUT="nhd hnd")
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2 and "kvl=nhd" in runs[0] and "trt-8b-2k-nhd.json" in runs[0], runs
+    assert "kvl=hnd" in runs[1] and "trt-8b-2k-hnd.json" in runs[1]
