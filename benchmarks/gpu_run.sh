@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|trt-probe|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|trt-probe|trt-pick|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -12,7 +12,8 @@
 # quant: W4A16 vs bf16 on the Llama-2-7B linear stack (32 layers) and the whole engine;
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
-# trt-probe: where a trt-8b decode step's time goes (see the part);
+# trt-probe: where a trt-8b decode step's time goes (see the part); trt-pick: the step's
+#   timings per switch, then trt-8b-2k with the defaults and with the fastest;
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
 #   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
 #   the fused sampler off / on; TRT_ATTN=1: an fp8 decode attention sweep);
@@ -63,6 +64,13 @@ moe_b1() {  # gpu-moe at batch 1 (128 in / 256 out, median of 3) per value of a 
             --output-json "$OUT/gpu-moe-b1-$tag$v.json" 2>&1 | tail -2
     done
     summary "$OUT"/gpu-moe-b1-"$tag"*.json
+}
+trt_step() {  # trt_step TAG [ENV=VALUE...]: a steady 512-sequence trt-8b decode step's wall time alone
+    local tag=$1
+    shift
+    env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
+        --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-$tag.json" 2>&1 | \
+        grep -v "USDT\\|Warning" | tail -2
 }
 summary() {  # one line per result file
     python3 - "$@" <<'EOF'
@@ -296,6 +304,43 @@ trt)
             --max-num-seqs 512 --input-len 128 --output-len 2048 --only-async 2>&1 | tail -18
     fi
     ;;
+trt-pick)
+    # One call that decides and measures: the profiled steady decode step (defaults), its
+    # wall time per switch (as trt-probe), then trt-8b-2k (NUM_PROMPTS, default 512) with the
+    # defaults and with the fastest page layout / grid of the step timings, in the same call.
+    timeout "$(cap 120)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
+        --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\\|Warning" | tail -45
+    trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
+    trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
+    trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
+    trt_step q0 PAGEDLLM_FP8_FUSED_QUANT=0
+    trt_step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
+    best=$(python3 - "$OUT" <<'PICK'
+import json, os, sys
+env = {"": "", "hnd": "PAGEDLLM_KV_LAYOUT=hnd", "hf1": "PAGEDLLM_DECODE_HEADS_FIRST=1",
+       "hnd-hf1": "PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1"}
+walls = {}
+for tag in env:
+    path = os.path.join(sys.argv[1], f"decode-step-trt-8b{'-' + tag if tag else ''}.json")
+    try:
+        walls[tag] = json.load(open(path))["decode"]["wall_ms"]
+    except Exception:
+        pass
+best = min(walls, key=walls.get) if "" in walls else ""
+print(f"{best}|{env[best]}")
+PICK
+)
+    echo "decode step wall by variant -> best: ${best%%|*}"
+    for v in default "${best#*|}"; do
+        [[ $v == "" ]] && continue
+        tag=""; envs=""
+        [[ $v != default ]] && { tag="-${best%%|*}"; envs=$v; }
+        env $envs timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload trt-8b-2k \
+            --num-prompts "${NUM_PROMPTS:-512}" --max-num-seqs 512 --warmup 2 \
+            --output-json "$OUT/trt-8b-2k$tag.json" 2>&1 | tail -2
+    done
+    summary "$OUT"/trt-8b-2k*.json
+    ;;
 trt-probe)
     # Where a trt-8b decode step's time goes, cheaply, most telling first: one steady
     # 512-sequence step at 1,024 keys profiled kernel by kernel (with the prefill's steps);
@@ -307,20 +352,13 @@ trt-probe)
     # size, layout and grid order; the FP8 products by scaling (row-wise against one scale
     # a tensor); FlashInfer's fp8 batch decode last (carry .whl-fi; its kernels build just
     # in time; TRT_FI=0 skips it).
-    step() {  # step TAG [ENV=VALUE...]: the decode step's wall time alone
-        local tag=$1
-        shift
-        env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
-            --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-$tag.json" 2>&1 | \
-            grep -v "USDT\|Warning" | tail -2
-    }
     timeout "$(cap 150)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
         --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\|Warning" | tail -60
-    step q0 PAGEDLLM_FP8_FUSED_QUANT=0
-    step hnd PAGEDLLM_KV_LAYOUT=hnd
-    step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
-    step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
-    step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
+    trt_step q0 PAGEDLLM_FP8_FUSED_QUANT=0
+    trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
+    trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
+    trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
+    trt_step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
     timeout "$(cap 150)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
         --shapes llama3-8b --pages fp8 --computes fp16 --settings ${ATTN_SETTINGS:-64,2,2 64,2,3 64,4,2 128,4,2 128,4,3 32,2,2} \
         --page ${ATTN_PAGES:-16 32} --layout nhd hnd --heads-first 0 1 --json "$OUT/attn-decode-trt-probe.json" 2>&1 | tail -52

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_run.sh"
@@ -19,13 +20,15 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
     log = tmp_path / "calls.log"
     stub = bin_dir / "python3"
     stub.write_text('#!/usr/bin/env bash\n'
+                    # here-documents (the script's own helpers: summaries, picks) run for real
+                    'if [ "$1" = "-" ]; then exec "$REAL_PYTHON" "$@"; fi\n'
                     'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} sampler=${PAGEDLLM_FUSED_SAMPLER-unset} '
                     'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} fq=${PAGEDLLM_FP8_FUSED_QUANT-unset} '
                     'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} kvl=${PAGEDLLM_KV_LAYOUT-unset} '
                     'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
-    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log),
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log), "REAL_PYTHON": sys.executable,
             "OUT": str(tmp_path / "out"), "BUDGET_S": "300", **env}
     res = subprocess.run(["bash", str(SCRIPT), part], env=full, capture_output=True, text=True,
                          timeout=60, stdin=subprocess.DEVNULL)
@@ -110,3 +113,24 @@ def test_trt_kv_layout_switch(tmp_path):
     runs = [c for c in calls if "bench throughput" in c]
     assert len(runs) == 2 and "kvl=nhd" in runs[0] and "trt-8b-2k-nhd.json" in runs[0], runs
     assert "kvl=hnd" in runs[1] and "trt-8b-2k-hnd.json" in runs[1]
+
+
+def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
+    """trt-pick: the step timings per switch, then trt-8b-2k with the defaults and with the
+    variant whose step was fastest (read from the step results; here laid out by the test)."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for tag, wall in (("", 26.0), ("-hnd", 24.0), ("-hf1", 25.0), ("-hnd-hf1", 24.5)):
+        (out / f"decode-step-trt-8b{tag}.json").write_text(json.dumps({"decode": {"wall_ms": wall}}))
+    calls = _dry_run(tmp_path, "trt-pick")
+    assert sum("decode_step_profile.py" in c for c in calls) == 6
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2 and "--num-prompts 512" in runs[0], runs
+    assert "kvl=unset" in runs[0] and "out/trt-8b-2k.json" in runs[0]
+    assert "kvl=hnd hf=unset" in runs[1] and "trt-8b-2k-hnd.json" in runs[1]
+    # the defaults fastest: one run
+    (out / "decode-step-trt-8b.json").write_text(json.dumps({"decode": {"wall_ms": 20.0}}))
+    calls = _dry_run(tmp_path / "again", "trt-pick", OUT=str(out))
+    assert len([c for c in calls if "bench throughput" in c]) == 1
