@@ -238,6 +238,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
+    # GiB of host memory (pinned, per device) that holds preempted sequences' pages until
+    # they resume, instead of recomputing them (vLLM's swap space; core/scheduler.py). 0: off.
+    swap_space: float = 0.0
     dtype: str = "auto"
     seed: int = 0
     load_format: str = "auto"
@@ -326,6 +329,8 @@ class EngineConfig:
             raise ValueError(f"prefill_step_ratio must be a number > 1 (None: off), got {ratio!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not (isinstance(self.swap_space, int | float) and self.swap_space >= 0):
+            raise ValueError(f"swap_space must be a number of GiB >= 0 (0: off), got {self.swap_space!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -66,6 +66,9 @@ class Request:
     num_pending: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet
     num_preemptions: int = 0
+    # Preempted with its pages swapped out to host memory (Scheduler, swap_blocks): the
+    # host blocks' first index, their count and the tokens they hold; None otherwise.
+    swapped: tuple[int, int, int] | None = None
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None

@@ -4,7 +4,10 @@ Policy (vLLM V1's): running requests first (decodes and unfinished prefill chunk
 waiting requests in arrival order, all under one token budget (`max_num_batched_tokens`)
 and a cap on running sequences (`max_num_seqs`). A prompt that does not fit the remaining
 budget is chunked. When the page pool runs dry the newest running request is preempted:
-its blocks are freed and it is recomputed later (prefix caching makes that cheap).
+its blocks are freed and it is recomputed later (prefix caching makes that cheap), or,
+with a swap space (`swap_blocks`), its pages are copied out to host memory and back when it
+resumes, so that a long sequence is not read again: the step carries the copies
+(SchedulerOutput.swap_out / swap_in) and each worker makes them before its forward.
 
 One prompt is read at a time (vLLM's `max_num_partial_prefills` of 1): a waiting request is
 admitted only into budget that the one before it left, so the running list holds at most
@@ -78,10 +81,53 @@ class SchedulerOutput:
     # under a grammar (filled in by the engine core after scheduling; a
     # pagedllm.structured_output.StepBitmask, opaque here). None: no row is constrained.
     grammar_bitmask: Any = None
+    # Swapped preemption: (device block ids, first host block) to copy out, then (first
+    # host block, device block ids) to copy in, before the step's forward (in that order:
+    # a block freed by one may be written by the other).
+    swap_out: list[tuple[list[int], int]] = field(default_factory=list)
+    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+class HostBlocks:
+    """The swap space's blocks: each preempted sequence takes one contiguous run of them
+    (its pages go over in one copy each way), first fit over the free runs."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: list[tuple[int, int]] = [(0, num_blocks)] if num_blocks else []  # (start, length)
+
+    @property
+    def num_free(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def alloc(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                self._free[i] = (start + n, length - n)
+                if length == n:
+                    del self._free[i]
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        runs = sorted(self._free + [(start, n)])
+        merged: list[tuple[int, int]] = []
+        for s, length in runs:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                assert not merged or merged[-1][0] + merged[-1][1] < s, "host blocks freed twice"
+                merged.append((s, length))
+        self._free = merged
+
+
+# Sequences with fewer computed tokens than this are recomputed, not swapped: reading a
+# short context again costs less than two copies over the bus and the host space it holds.
+SWAP_MIN_TOKENS = 256
 
 
 @dataclass
@@ -100,8 +146,13 @@ class Scheduler:
         max_prefill_tokens_with_decodes: int = 0,
         proposer: NgramProposer | None = None,
         max_loras: int = 0,
+        swap_blocks: int = 0,
     ):
         self.kv = kv
+        # Host blocks for preempted sequences' pages (0: preemption recomputes).
+        self.host = HostBlocks(swap_blocks) if swap_blocks > 0 else None
+        self._carry_swap_out: list[tuple[list[int], int]] = []  # of a step with no chunk
+        self.num_swapped_out_total = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -181,7 +232,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------------ scheduling
-    def _preempt(self, req: Request) -> None:
+    def _swap_out(self, req: Request, out: SchedulerOutput) -> None:
+        """Keep a preempted request's computed pages in the swap space when they are worth
+        it and fit (else it is recomputed): the copy goes with this step."""
+        computed = req.num_computed_tokens
+        if self.host is None or computed < SWAP_MIN_TOKENS:
+            return
+        n = -(-computed // self.kv.block_size)
+        start = self.host.alloc(n)
+        if start is None:
+            return
+        out.swap_out.append((list(self.kv.block_table(req.request_id)[:n]), start))
+        req.swapped = (start, n, computed)
+        self.num_swapped_out_total += 1
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._swap_out(req, out)
         self.kv.free(req)
         self._blocks_sent.pop(req.request_id, None)  # the worker's copy is replaced on resumption
         req.status = RequestStatus.PREEMPTED
@@ -214,8 +280,9 @@ class Scheduler:
             sum(1 for r in self.running if not self._prefilling(r)))
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        out = SchedulerOutput(finished_req_ids=self._finished_ids, swap_out=self._carry_swap_out)
         self._finished_ids = []
+        self._carry_swap_out = []
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
 
@@ -252,7 +319,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.num_preemptions += 1
                 drafts.pop(victim.request_id, None)
                 if victim is req:
@@ -277,10 +344,20 @@ class Scheduler:
                     continue
                 if req.whole_prompt and req.num_tokens > min(budget, prefill_left):
                     break  # it waits for a step with room for all of it (in order)
-                hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+                if req.swapped is not None:  # its pages come back from the swap space
+                    start, nblocks, num_hit_tokens = req.swapped
+                    hits = []
+                    req.num_computed_tokens = num_hit_tokens  # what allocate_slots counts from
+                else:
+                    hits, num_hit_tokens = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit_tokens, budget, prefill_left)
                 if not self.kv.allocate_slots(req, n, hits):
+                    req.num_computed_tokens = 0
                     break
+                if req.swapped is not None:
+                    out.swap_in.append((start, list(self.kv.block_table(req.request_id)[:nblocks])))
+                    self.host.free(start, nblocks)  # reused only by copies queued after this one
+                    req.swapped = None
                 self.waiting.popleft()
                 if req.lora_int_id:
                     loras.add(req.lora_int_id)
@@ -331,6 +408,8 @@ class Scheduler:
             if sample:
                 req.num_pending += 1
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        if out.is_empty and out.swap_out:  # nothing runs this step: the copies go with the next
+            self._carry_swap_out, out.swap_out = out.swap_out, []
         return out
 
     # ------------------------------------------------------------------ results
@@ -416,6 +495,9 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if req.swapped is not None:  # ended while swapped out (aborted, or its last token came)
+            self.host.free(req.swapped[0], req.swapped[1])
+            req.swapped = None
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
         self.kv.free(req)

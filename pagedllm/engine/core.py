@@ -89,7 +89,9 @@ class EngineCore:
         try:
             num_blocks = self.executor.determine_num_blocks(config.max_num_batched_tokens,
                                                             config.max_num_seqs)
-            self.executor.allocate_kv_cache(num_blocks)
+            # the swap space in blocks: what one block of every rank's pages takes on its host
+            swap_blocks = int(config.swap_space * 2**30) // self.executor.bytes_per_block
+            self.executor.allocate_kv_cache(num_blocks, swap_blocks)
             if config.runner != "pooling":  # embeddings never decode
                 self.executor.capture_graphs(config.max_num_seqs)
         except BaseException:
@@ -113,7 +115,11 @@ class EngineCore:
         self._grammar_drafts = spec is not None and spec.method == "ngram"
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, config.max_prefill_tokens_with_decodes,
-                                   proposer, config.max_loras if config.enable_lora else 0)
+                                   proposer, config.max_loras if config.enable_lora else 0,
+                                   swap_blocks)
+        if swap_blocks:
+            logger.info("swap space: %d blocks (%.1f GiB) of host memory for preempted sequences' pages",
+                        swap_blocks, swap_blocks * self.executor.bytes_per_block / 2**30)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %d bytes a token (%s); %s",
                     num_blocks, config.block_size, num_blocks * config.block_size,
                     self.executor.bytes_per_block // config.block_size,

@@ -31,7 +31,7 @@ class Executor(Protocol):
     lora_targets: list[str]  # projections (HF naming) adapters may target; [] without LoRA
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int: ...
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+    def allocate_kv_cache(self, num_blocks: int, swap_blocks: int = 0) -> None: ...
     def capture_graphs(self, max_num_seqs: int) -> None: ...
     def execute(self, so: SchedulerOutput) -> RunnerOutput: ...
     def launch(self, so: SchedulerOutput) -> StepHandle: ...
@@ -77,8 +77,8 @@ class RankGroupExecutor:
         """The smallest over ranks: a block id means the same slot on every rank."""
         return min(self._run("determine_num_blocks", (max_num_batched_tokens, max_num_seqs)))
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._run("allocate_kv_cache", (num_blocks,))
+    def allocate_kv_cache(self, num_blocks: int, swap_blocks: int = 0) -> None:
+        self._run("allocate_kv_cache", (num_blocks, swap_blocks))
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         self._run("capture_graphs", (max_num_seqs,))

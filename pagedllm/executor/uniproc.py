@@ -40,8 +40,8 @@ class UniprocExecutor:
     def determine_num_blocks(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         return self.runner.determine_num_blocks(max_num_batched_tokens, max_num_seqs)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, swap_blocks: int = 0) -> None:
+        self.runner.allocate_kv_cache(num_blocks, swap_blocks)
 
     def capture_graphs(self, max_num_seqs: int) -> None:
         self.runner.capture_graphs(max_num_seqs)

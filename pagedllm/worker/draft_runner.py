@@ -77,6 +77,7 @@ class DraftRunner:
         head_major = getattr(r.backend, "HEAD_MAJOR_PAGES", False)
         shape = spec.pool_shape(s.num_layers, num_blocks, r.block_size, head_major)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, r.kv_dtype, r.device)
+        self.kv_pool = cache  # the runner swaps its pages with the target's
         self.kv_caches = spec.layer_views(cache, s.num_layers, head_major)
 
     # ------------------------------------------------------------------ proposing

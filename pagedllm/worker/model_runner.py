@@ -358,16 +358,42 @@ class ModelRunner:
                 logger.info("mixed steps (decodes beside up to %d prompt rows) replay from %d CUDA graphs",
                             chunks[-1], len(self.mixed_graphs.graphs))
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, swap_blocks: int = 0) -> None:
         """One zeroed [layers, parts, blocks, block_size, *token_shape] tensor (page_spec:
         K and V of [kv_heads, head_dim] each, or one MLA latent), and the draft model's, of
-        as many blocks: it writes the same slots."""
+        as many blocks: it writes the same slots. `swap_blocks`: host blocks of each (pinned
+        on CUDA) that preempted sequences' pages are copied out to (swap_pages)."""
         head_major = getattr(self.backend, "HEAD_MAJOR_PAGES", False)
         shape = self.page_spec.pool_shape(self.num_layers, num_blocks, self.block_size, head_major)
         cache, self._kv_mmap = zeroed_kv_tensor(shape, self.kv_dtype, self.device)
         self.kv_caches = self.page_spec.layer_views(cache, self.num_layers, head_major)
+        self._kv_pools = [cache]
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)
+            self._kv_pools.append(self.drafter.kv_pool)
+        # fp8 pages are copied as bytes (index_copy_ has no fp8 kernel on every device)
+        self._kv_pools = [p.view(torch.uint8) if p.element_size() == 1 else p for p in self._kv_pools]
+        # block-major ([blocks, layers, parts, ...]): a sequence's run of host blocks is one
+        # contiguous range, one copy each way
+        self._host_pools = [torch.empty((swap_blocks, *p.shape[:2], *p.shape[3:]), dtype=p.dtype,
+                                        pin_memory=self.device.type == "cuda") for p in self._kv_pools] \
+            if swap_blocks else []
+
+    def swap_pages(self, so: SchedulerOutput) -> None:
+        """The step's swap copies, queued ahead of its forward on the device's stream: out
+        (device blocks -> a run of host blocks) first, then in, since a block one frees may
+        be the block the other fills. Stream order keeps them behind the steps that wrote the
+        pages and ahead of any that overwrite them."""
+        for ids, start in so.swap_out:
+            idx = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            for pool, host in zip(self._kv_pools, self._host_pools, strict=True):
+                pages = pool.index_select(2, idx).movedim(2, 0).contiguous()
+                host[start : start + len(ids)].copy_(pages, non_blocking=True)
+        for start, ids in so.swap_in:
+            idx = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            for pool, host in zip(self._kv_pools, self._host_pools, strict=True):
+                pages = host[start : start + len(ids)].to(self.device, non_blocking=True)
+                pool.index_copy_(2, idx, pages.movedim(0, 2))
 
     # ------------------------------------------------------------------ one step
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -506,6 +532,8 @@ class ModelRunner:
             return self._launch(so, defer_sampling)
 
     def _launch(self, so: SchedulerOutput, defer_sampling: bool) -> LaunchedStep:
+        if so.swap_out or so.swap_in:
+            self.swap_pages(so)
         self._update_states(so)
         if self.drafter is not None:  # the scheduler reserved the slots; the draft fills them
             self.drafter.propose([c for c in so.chunks if c.draft_token_ids])

@@ -212,6 +212,10 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
                    help="KV cache blocks (default: from memory)")
     e.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_bytes, metavar="BYTES",
                    help="memory for the KV cache, e.g. 4GiB, 512MB (default: 2GiB on CPU)")
+    e.add_argument("--swap-space", type=float, metavar="GIB",
+                   help="GiB of pinned host memory per device for preempted sequences' pages, "
+                        "copied back when they resume instead of recomputed "
+                        f"{_default('swap_space')}; 0: off")
     e.add_argument("--gpu-memory-utilization", type=float,
                    help=f"fraction of GPU memory to use {_default('gpu_memory_utilization')}")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
