@@ -70,7 +70,7 @@ trt_step() {  # trt_step TAG [ENV=VALUE...]: a steady 512-sequence trt-8b decode
     shift
     env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
         --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-$tag.json" 2>&1 | \
-        grep -v "USDT\\|Warning" | tail -2
+        grep -v "USDT\\|Warning" | tail -2 || true
 }
 summary() {  # one line per result file
     python3 - "$@" <<'EOF'
@@ -306,15 +306,16 @@ trt)
     ;;
 trt-pick)
     # One call that decides and measures: the profiled steady decode step (defaults), its
-    # wall time per switch (as trt-probe), then trt-8b-2k (NUM_PROMPTS, default 512) with the
-    # defaults and with the fastest page layout / grid of the step timings, in the same call.
+    # wall time per page layout / grid (as trt-probe), then trt-8b-2k (NUM_PROMPTS, default
+    # 512) with the defaults, with the fastest variant of the step timings, and with that
+    # one and a swap space (SWAP_GIB, default 8: preempted sequences' pages kept on the host),
+    # in the same call; last the step's wall time with the activations quantized apart and
+    # with the graphs' block tables uploaded whole.
     timeout "$(cap 120)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
         --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\\|Warning" | tail -45
     trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
     trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
     trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
-    trt_step q0 PAGEDLLM_FP8_FUSED_QUANT=0
-    trt_step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
     best=$(python3 - "$OUT" <<'PICK'
 import json, os, sys
 env = {"": "", "hnd": "PAGEDLLM_KV_LAYOUT=hnd", "hf1": "PAGEDLLM_DECODE_HEADS_FIRST=1",
@@ -331,15 +332,24 @@ print(f"{best}|{env[best]}")
 PICK
 )
     echo "decode step wall by variant -> best: ${best%%|*}"
-    for v in default "${best#*|}"; do
-        [[ $v == "" ]] && continue
-        tag=""; envs=""
-        [[ $v != default ]] && { tag="-${best%%|*}"; envs=$v; }
-        env $envs timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput --workload trt-8b-2k \
-            --num-prompts "${NUM_PROMPTS:-512}" --max-num-seqs 512 --warmup 2 \
-            --output-json "$OUT/trt-8b-2k$tag.json" 2>&1 | tail -2
-    done
+    trt_run() {  # trt_run TAG [ENV=VALUE...] [-- BENCH ARGS]: trt-8b-2k once
+        local tag=$1 envs=() extra=()
+        shift
+        while (( $# )) && [[ $1 != -- ]]; do envs+=("$1"); shift; done
+        (( $# )) && { shift; extra=("$@"); }
+        env "${envs[@]}" timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload trt-8b-2k --num-prompts "${NUM_PROMPTS:-512}" --max-num-seqs 512 --warmup 2 \
+            "${extra[@]}" --output-json "$OUT/trt-8b-2k$tag.json" 2>&1 | tail -2
+    }
+    vtag=${best%%|*}
+    # shellcheck disable=SC2086
+    trt_run ""
+    [[ -n $vtag ]] && trt_run "-$vtag" ${best#*|}
+    # shellcheck disable=SC2086
+    trt_run "${vtag:+-$vtag}-swap${SWAP_GIB:-8}" ${best#*|} -- --swap-space "${SWAP_GIB:-8}"
     summary "$OUT"/trt-8b-2k*.json
+    trt_step q0 PAGEDLLM_FP8_FUSED_QUANT=0
+    trt_step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
     ;;
 trt-probe)
     # Where a trt-8b decode step's time goes, cheaply, most telling first: one steady

@@ -116,8 +116,9 @@ def test_trt_kv_layout_switch(tmp_path):
 
 
 def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
-    """trt-pick: the step timings per switch, then trt-8b-2k with the defaults and with the
-    variant whose step was fastest (read from the step results; here laid out by the test)."""
+    """trt-pick: the step timings per switch, then trt-8b-2k with the defaults, with the
+    variant whose step was fastest (read from the step results; here laid out by the test)
+    and with that one and a swap space."""
     import json
 
     out = tmp_path / "out"
@@ -127,10 +128,12 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     calls = _dry_run(tmp_path, "trt-pick")
     assert sum("decode_step_profile.py" in c for c in calls) == 6
     runs = [c for c in calls if "bench throughput" in c]
-    assert len(runs) == 2 and "--num-prompts 512" in runs[0], runs
-    assert "kvl=unset" in runs[0] and "out/trt-8b-2k.json" in runs[0]
+    assert len(runs) == 3 and all("--num-prompts 512" in r for r in runs), runs
+    assert "kvl=unset" in runs[0] and "out/trt-8b-2k.json" in runs[0] and "--swap-space" not in runs[0]
     assert "kvl=hnd hf=unset" in runs[1] and "trt-8b-2k-hnd.json" in runs[1]
-    # the defaults fastest: one run
+    assert "kvl=hnd" in runs[2] and "--swap-space 8" in runs[2] and "trt-8b-2k-hnd-swap8.json" in runs[2]
+    # the defaults fastest: the defaults, then with a swap space
     (out / "decode-step-trt-8b.json").write_text(json.dumps({"decode": {"wall_ms": 20.0}}))
     calls = _dry_run(tmp_path / "again", "trt-pick", OUT=str(out))
-    assert len([c for c in calls if "bench throughput" in c]) == 1
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2 and "kvl=unset" in runs[1] and "trt-8b-2k-swap8.json" in runs[1], runs

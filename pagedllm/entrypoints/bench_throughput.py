@@ -83,6 +83,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--kv-cache-memory", help="CPU KV pool, e.g. 4GiB")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                   help="host GiB for preempted sequences' pages (default: the engine's, off)")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="GPUs (or CPU processes) the model is split over (default 1)")
@@ -241,6 +243,8 @@ class EngineBackend:
             kwargs["block_size"] = args.block_size
         if args.kv_cache_memory is not None:
             kwargs["kv_cache_memory"] = args.kv_cache_memory
+        if getattr(args, "swap_space", None):
+            kwargs["swap_space"] = args.swap_space
         self.llm = LLM(model=cfg.model, **kwargs)
         self.temperature = args.temperature
         self.device = self.llm.engine.executor.device
@@ -275,6 +279,9 @@ class EngineBackend:
         stats = self.llm.engine.stats()
         # Sequences preempted (their KV recomputed later) over every run, warm-up included.
         info["num_preemptions"] = stats.num_preemptions
+        core = getattr(self.llm.engine, "core", None)  # in-process: of those, swapped instead
+        if core is not None and getattr(core.scheduler, "host", None) is not None:
+            info["num_swapped_out"] = core.scheduler.num_swapped_out_total
         if stats.spec_num_drafts:
             info["spec_decode"] = {"drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens,
                                    "accepted_tokens": stats.spec_num_accepted_tokens}
