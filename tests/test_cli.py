@@ -65,14 +65,14 @@ def test_every_engine_flag_reaches_the_config():
         "--dtype", "bfloat16", "--quantization", "gptq", "--load-format", "dummy", "--seed", "7",
         "--max-num-seqs", "4", "--max-prefill-tokens-with-decodes", "384", "--block-size", "32",
         "--num-kv-blocks", "100",
-        "--kv-cache-memory", "2GiB", "--gpu-memory-utilization", "0.5",
+        "--kv-cache-memory", "2GiB", "--swap-space", "4", "--gpu-memory-utilization", "0.5",
         "--no-enable-prefix-caching", "-tp", "2", "--device", "cpu")
     config = engine_config(args)
     assert config == EngineConfig(
         model="/models/my-model", tokenizer="/tok", served_model_name=["a", "b"],
         dtype="bfloat16", quantization="gptq", load_format="dummy", seed=7, max_num_seqs=4,
         max_prefill_tokens_with_decodes=384, block_size=32, num_kv_blocks=100, kv_cache_memory_bytes=2 * 1024**3,
-        gpu_memory_utilization=0.5, enable_prefix_caching=False, tensor_parallel_size=2,
+        swap_space=4.0, gpu_memory_utilization=0.5, enable_prefix_caching=False, tensor_parallel_size=2,
         device="cpu")
     assert config.model_name == "a"
 

@@ -375,7 +375,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = ["revision", "download_dir", "tokenizer", "served_model_name", "dtype", "quantization", "load_format", "seed",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "max_prefill_tokens_with_decodes", "prefill_step_ratio", "block_size",
-             "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization",
+             "num_kv_blocks", "kv_cache_memory_bytes", "swap_space", "gpu_memory_utilization",
              "enable_prefix_caching", "tensor_parallel_size", "distributed_executor_backend",
              "device", "enforce_eager", "async_scheduling", "batch_invariant", "kv_cache_dtype", "max_logprobs",
              "generation_config", "speculative_config", "enable_lora", "max_loras",
