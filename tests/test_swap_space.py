@@ -147,3 +147,21 @@ def test_engine_with_swap_space_matches_hf_and_recomputes_less(tiny_models, monk
             assert sched.host.num_free == sched.host.num_blocks
         tokens[swap] = sum(computed)
     assert tokens[1e-3] < tokens[0.0]  # the swapped sequences were not read again
+
+
+def test_tensor_parallel_workers_swap_their_shards(tiny_models, monkeypatch):
+    """Two CPU worker processes (TP=2): each copies its own heads' pages out and back; the
+    tokens equal one process's without a swap space."""
+    monkeypatch.setattr(scheduler_mod, "SWAP_MIN_TOKENS", 8)
+    path, _ = tiny_models("llama")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4, seed=5, length=28)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(skip_tokenizer_init=True, block_size=4, num_kv_blocks=16, enable_prefix_caching=False)
+    want = LLM(model=path, **kw).generate(prompts, params)
+    llm = LLM(model=path, tensor_parallel_size=2, swap_space=1e-3, **kw)
+    try:
+        got = llm.generate(prompts, params)
+        assert llm.engine.scheduler.num_swapped_out_total > 0
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
