@@ -313,9 +313,14 @@ trt-pick)
     # with the graphs' block tables uploaded whole.
     timeout "$(cap 120)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
         --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\\|Warning" | tail -45
-    trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
-    trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
-    trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
+    # PICK_VARIANTS: the step variants timed (a short call: fewer)
+    for v in ${PICK_VARIANTS:-hnd hf1 hnd-hf1}; do
+        case $v in
+        hnd) trt_step hnd PAGEDLLM_KV_LAYOUT=hnd ;;
+        hf1) trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1 ;;
+        hnd-hf1) trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1 ;;
+        esac
+    done
     best=$(python3 - "$OUT" <<'PICK'
 import json, os, sys
 env = {"": "", "hnd": "PAGEDLLM_KV_LAYOUT=hnd", "hf1": "PAGEDLLM_DECODE_HEADS_FIRST=1",
@@ -332,9 +337,11 @@ print(f"{best}|{env[best]}")
 PICK
 )
     echo "decode step wall by variant -> best: ${best%%|*}"
-    trt_run() {  # trt_run TAG [ENV=VALUE...] [-- BENCH ARGS]: trt-8b-2k once
+    trt_run() {  # trt_run TAG [ENV=VALUE...] [-- BENCH ARGS]: trt-8b-2k once, if the call
+        # has time left for a whole run (one cut short measures nothing)
         local tag=$1 envs=() extra=()
         shift
+        (( DEADLINE - SECONDS < ${RUN_NEEDS_S:-100} )) && { echo "skipped trt-8b-2k$tag: no time left"; return; }
         while (( $# )) && [[ $1 != -- ]]; do envs+=("$1"); shift; done
         (( $# )) && { shift; extra=("$@"); }
         env "${envs[@]}" timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \

@@ -137,3 +137,12 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     calls = _dry_run(tmp_path / "again", "trt-pick", OUT=str(out))
     runs = [c for c in calls if "bench throughput" in c]
     assert len(runs) == 2 and "kvl=unset" in runs[1] and "trt-8b-2k-swap8.json" in runs[1], runs
+
+
+def test_trt_pick_short_call(tmp_path):
+    """PICK_VARIANTS narrows the step timings; a run that would not fit the call's budget
+    is skipped rather than cut short."""
+    calls = _dry_run(tmp_path, "trt-pick", PICK_VARIANTS="hnd")
+    assert sum("decode_step_profile.py" in c for c in calls) == 4  # profile, hnd, q0, tfull
+    calls = _dry_run(tmp_path / "short", "trt-pick", BUDGET_S="60")
+    assert not [c for c in calls if "bench throughput" in c]
