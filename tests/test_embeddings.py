@@ -161,9 +161,9 @@ def test_mean_pooling_survives_preemption(base_dir, tmp_path):
     preempted: list[str] = []
     real_preempt = eng.scheduler._preempt
 
-    def spy(req):
+    def spy(req, *args):
         preempted.append(req.request_id)
-        real_preempt(req)
+        real_preempt(req, *args)
 
     eng.scheduler._preempt = spy
     eng.add_request("g", None, [5] * 8, SamplingParams(temperature=0, max_tokens=50,
