@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|trt-probe|trt-pick|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -303,6 +303,20 @@ trt)
         timeout "$(cap 170)" python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 \
             --max-num-seqs 512 --input-len 128 --output-len 2048 --only-async 2>&1 | tail -18
     fi
+    ;;
+trt-last)
+    # A short call: the GPU tests of this session's CPU-built pieces (head-major pages and the
+    # heads-first grid, the swap space with pinned pages and the stream's order, the graphs'
+    # compacted block tables against eager), then the steady trt-8b decode step's wall time
+    # with token-major and with head-major pages.
+    timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider \
+        tests/test_triton_attention.py::test_head_major_pages_match_token_major \
+        tests/test_triton_attention.py::test_fp8_decode_launch_follows_group_and_splits \
+        tests/test_swap_space.py tests/test_graph_inputs.py \
+        tests/test_gpu.py::test_cuda_graphs_match_eager tests/test_gpu.py::test_cuda_async_scheduling_matches_in_step \
+        2>&1 | tail -3
+    trt_step default
+    trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
     ;;
 trt-pick)
     # One call that decides and measures: the profiled steady decode step (defaults), its
