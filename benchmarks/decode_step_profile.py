@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from collections import defaultdict
 
@@ -26,6 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.bench_workloads import WORKLOADS, write_arch_config
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_kernels import kernel_totals  # noqa: E402
 
 # (group, substrings of a kernel's name), first match wins
 GROUPS = [
@@ -50,17 +55,6 @@ def group_of(name: str) -> str:
         if any(k.lower() in low for k in keys):
             return group
     return "other"
-
-
-def kernel_times(prof) -> dict[str, list[float]]:
-    """Device kernels by name: [microseconds, launches]."""
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.key_averages():
-        if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
-            continue
-        totals[e.key][0] += e.self_device_time_total
-        totals[e.key][1] += e.count
-    return totals
 
 
 def summarise(totals: dict[str, list[float]], steps: int, wall_ms: float, top: int) -> dict:
@@ -154,7 +148,7 @@ def main() -> None:
     print(f"prefill: {len(pre)} steps, {pre_s:.2f} s, {pre_tokens / max(pre_s, 1e-9):,.0f} prompt tok/s")
     if prefill_prof is not None:
         print(f"prefill steps 3-5 under the profiler ({prefill_prof_steps} steps):")
-        result["prefill"]["profile"] = summarise(kernel_times(prefill_prof), prefill_prof_steps, prefill_wall, args.top)
+        result["prefill"]["profile"] = summarise(kernel_totals(prefill_prof, cuda), prefill_prof_steps, prefill_wall, args.top)
     for _ in range(4):  # every sequence decoding, graphs warm
         engine.step()
     sync()
@@ -176,7 +170,7 @@ def main() -> None:
             sync()
             pwall = (time.perf_counter() - t0) * 1e3 / args.profile_steps
         print(f"decode steps under the profiler ({args.profile_steps}):")
-        result["decode"]["profile"] = summarise(kernel_times(prof), args.profile_steps, pwall, args.top)
+        result["decode"]["profile"] = summarise(kernel_totals(prof, cuda), args.profile_steps, pwall, args.top)
     for i in range(args.num_prompts):
         engine.abort_request(f"p{i}")
     if args.json:

@@ -76,6 +76,19 @@ def _embed_run(args):
     return lambda: llm.embed(texts)
 
 
+def kernel_totals(prof, cuda: bool) -> dict[str, list[float]]:
+    """A profile's device kernels by name when there is a device, else its CPU operators,
+    both by self time: name -> [microseconds, calls]."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.key_averages():
+        us = e.self_device_time_total if cuda else e.self_cpu_time_total
+        if us <= 0 or (cuda and e.device_type.name != "CUDA"):
+            continue
+        totals[e.key][0] += us
+        totals[e.key][1] += e.count
+    return totals
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="gpu-long-ttft")
@@ -104,14 +117,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    # Device kernels when there is a device, else the CPU operators; both by self time.
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.key_averages():
-        us = e.self_device_time_total if cuda else e.self_cpu_time_total
-        if us <= 0 or (cuda and e.device_type.name != "CUDA"):
-            continue
-        totals[e.key][0] += us
-        totals[e.key][1] += e.count
+    totals = kernel_totals(prof, cuda)
     busy = sum(t for t, _ in totals.values()) / 1e6
     rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[: args.top]
     what = "device" if cuda else "CPU operator"

@@ -33,6 +33,15 @@ def test_host_blocks_first_fit_and_merge():
         h.free(2, 2)  # already free
 
 
+def _two_growing(swap_blocks: int) -> tuple[KVCacheManager, Scheduler]:
+    """Two 16-token prompts (4 blocks of 4 each) that grow past a 12-block pool."""
+    kv = KVCacheManager(12, 4, enable_prefix_caching=False)
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, swap_blocks=swap_blocks)
+    for i in range(2):
+        s.add_request(Request(request_id=f"r{i}", prompt_token_ids=[1 + i] * 16, max_tokens=20, ignore_eos=True))
+    return kv, s
+
+
 def _grow(s: Scheduler, steps: int) -> list:
     """Run `steps` steps, every scheduled chunk sampling token 5; the outputs."""
     outs = []
@@ -45,10 +54,7 @@ def _grow(s: Scheduler, steps: int) -> list:
 
 def test_victims_are_swapped_out_and_back_with_their_tokens(monkeypatch):
     monkeypatch.setattr(scheduler_mod, "SWAP_MIN_TOKENS", 8)
-    kv = KVCacheManager(12, 4, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, swap_blocks=8)
-    for i in range(2):  # 16-token prompts: 4 blocks each, growing past the 12-block pool
-        s.add_request(Request(request_id=f"r{i}", prompt_token_ids=[1 + i] * 16, max_tokens=20, ignore_eos=True))
+    kv, s = _two_growing(8)
     outs = _grow(s, 12)
     swapped = [o for o in outs if o.swap_out]
     assert swapped and s.num_swapped_out_total >= 1
@@ -72,27 +78,18 @@ def test_victims_are_swapped_out_and_back_with_their_tokens(monkeypatch):
 
 
 def test_short_victims_and_a_full_swap_space_recompute(monkeypatch):
-    kv = KVCacheManager(12, 4, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, swap_blocks=8)
-    for i in range(2):
-        s.add_request(Request(request_id=f"r{i}", prompt_token_ids=[1 + i] * 16, max_tokens=20, ignore_eos=True))
+    _, s = _two_growing(8)
     outs = _grow(s, 12)  # victims hold ~20 tokens, under SWAP_MIN_TOKENS (256)
     assert s.num_preemptions_total and not any(o.swap_out for o in outs) and s.num_swapped_out_total == 0
     monkeypatch.setattr(scheduler_mod, "SWAP_MIN_TOKENS", 8)
-    kv = KVCacheManager(12, 4, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, swap_blocks=2)
-    for i in range(2):
-        s.add_request(Request(request_id=f"r{i}", prompt_token_ids=[1 + i] * 16, max_tokens=20, ignore_eos=True))
+    _, s = _two_growing(2)
     outs = _grow(s, 12)  # 2 host blocks hold no victim of 4+ blocks
     assert s.num_preemptions_total and not any(o.swap_out for o in outs)
 
 
 def test_a_swapped_request_that_ends_frees_its_host_blocks(monkeypatch):
     monkeypatch.setattr(scheduler_mod, "SWAP_MIN_TOKENS", 8)
-    kv = KVCacheManager(12, 4, enable_prefix_caching=False)
-    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024, swap_blocks=8)
-    for i in range(2):
-        s.add_request(Request(request_id=f"r{i}", prompt_token_ids=[1 + i] * 16, max_tokens=20, ignore_eos=True))
+    _, s = _two_growing(8)
     for _ in range(30):
         out = s.schedule()
         s.update(out, {c.request_id: 5 for c in out.chunks if c.sample})

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from pagedllm import pdl
 from pagedllm.attention.metadata import AttentionMetadata, long_decode
+from pagedllm.config import env_flag
 from pagedllm.pdl import launch_dependents, wait
 
 
@@ -515,7 +516,7 @@ class TritonPagedAttention:
     # Decode launches on a (KV heads, sequences) grid instead of (sequences, KV heads): the
     # programs reading one page's rows run together (PAGEDLLM_DECODE_HEADS_FIRST=1; A/B in
     # benchmarks/attn_decode_bench.py --heads-first 0 1).
-    DECODE_HEADS_FIRST = os.environ.get("PAGEDLLM_DECODE_HEADS_FIRST", "0") == "1"
+    DECODE_HEADS_FIRST = env_flag("PAGEDLLM_DECODE_HEADS_FIRST")
     # The page pool head-major ([blocks, kv_heads, block_size, head_dim] a layer part: a
     # decode program's rows of a page contiguous) instead of token-major; the kernels read
     # and write either through strides (PAGEDLLM_KV_LAYOUT=hnd|nhd; PageSpec.pool_shape).

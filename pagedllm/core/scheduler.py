@@ -238,7 +238,7 @@ class Scheduler:
         computed = req.num_computed_tokens
         if self.host is None or computed < SWAP_MIN_TOKENS:
             return
-        n = -(-computed // self.kv.block_size)
+        n = self.kv.blocks_needed(computed)
         start = self.host.alloc(n)
         if start is None:
             return

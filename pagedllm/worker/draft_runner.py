@@ -34,7 +34,7 @@ import torch
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.loader.loader import load_hf_config
 from pagedllm.model_source import resolve_source
-from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
+from pagedllm.worker.step_arrays import chunk_arrays, page_pool
 
 if TYPE_CHECKING:
     from pagedllm.config import SpeculativeConfig
@@ -74,11 +74,9 @@ class DraftRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         s, r, spec = self.shape, self.runner, self.model.page_spec
-        head_major = getattr(r.backend, "HEAD_MAJOR_PAGES", False)
-        shape = spec.pool_shape(s.num_layers, num_blocks, r.block_size, head_major)
-        cache, self._kv_mmap = zeroed_kv_tensor(shape, r.kv_dtype, r.device)
-        self.kv_pool = cache  # the runner swaps its pages with the target's
-        self.kv_caches = spec.layer_views(cache, s.num_layers, head_major)
+        # the pool tensor itself: the runner swaps its pages with the target's
+        self.kv_pool, self._kv_mmap, self.kv_caches = page_pool(spec, s.num_layers, num_blocks, r.block_size,
+                                                                r.kv_dtype, r.device, r.backend)
 
     # ------------------------------------------------------------------ proposing
     def propose(self, chunks: list[ScheduledChunk]) -> None:

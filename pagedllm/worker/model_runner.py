@@ -44,7 +44,7 @@ from pagedllm.worker.cuda_graphs import (
     mixed_graph_chunks,
 )
 from pagedllm.worker.lora_manager import LoRAManager
-from pagedllm.worker.step_arrays import chunk_arrays, zeroed_kv_tensor
+from pagedllm.worker.step_arrays import chunk_arrays, page_pool
 
 logger = logging.getLogger(__name__)
 
@@ -363,10 +363,9 @@ class ModelRunner:
         K and V of [kv_heads, head_dim] each, or one MLA latent), and the draft model's, of
         as many blocks: it writes the same slots. `swap_blocks`: host blocks of each (pinned
         on CUDA) that preempted sequences' pages are copied out to (swap_pages)."""
-        head_major = getattr(self.backend, "HEAD_MAJOR_PAGES", False)
-        shape = self.page_spec.pool_shape(self.num_layers, num_blocks, self.block_size, head_major)
-        cache, self._kv_mmap = zeroed_kv_tensor(shape, self.kv_dtype, self.device)
-        self.kv_caches = self.page_spec.layer_views(cache, self.num_layers, head_major)
+        cache, self._kv_mmap, self.kv_caches = page_pool(self.page_spec, self.num_layers, num_blocks,
+                                                         self.block_size, self.kv_dtype, self.device,
+                                                         self.backend)
         self._kv_pools = [cache]
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks)

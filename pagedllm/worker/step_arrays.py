@@ -34,3 +34,13 @@ def zeroed_kv_tensor(shape: tuple[int, ...], dtype: torch.dtype,
         buf = mmap.mmap(-1, math.prod(shape) * (torch.finfo(dtype).bits // 8))
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape), buf
     return torch.zeros(shape, dtype=dtype, device=device), None
+
+
+def page_pool(spec, num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+              device: torch.device, backend) -> tuple[torch.Tensor, mmap.mmap | None, list[tuple]]:
+    """A model's page pool (spec: its PageSpec) laid out as the attention backend reads it
+    (head-major where it says HEAD_MAJOR_PAGES), zeroed: the pool tensor, its CPU mapping
+    (see zeroed_kv_tensor) and each layer's parts as [blocks, block_size, *token_shape]."""
+    head_major = getattr(backend, "HEAD_MAJOR_PAGES", False)
+    cache, buf = zeroed_kv_tensor(spec.pool_shape(num_layers, num_blocks, block_size, head_major), dtype, device)
+    return cache, buf, spec.layer_views(cache, num_layers, head_major)
