@@ -306,10 +306,10 @@ trt)
     ;;
 trt-last)
     # A short call: the GPU tests of this session's CPU-built pieces (head-major pages and the
-    # heads-first grid, the swap space with pinned pages and the stream's order, the graphs'
-    # compacted block tables against eager), then the steady trt-8b decode step's wall time
+    # heads-first grid, the swap space with pinned pages and the stream's order, the graphs
+    # with compacted block tables against eager), then the steady trt-8b decode step's wall time
     # with token-major and with head-major pages.
-    timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider \
+    PAGEDLLM_GRAPH_TABLE_UPLOAD=compact timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_attention.py::test_head_major_pages_match_token_major \
         tests/test_triton_attention.py::test_fp8_decode_launch_follows_group_and_splits \
         tests/test_swap_space.py tests/test_graph_inputs.py \
@@ -370,7 +370,7 @@ PICK
     trt_run "${vtag:+-$vtag}-swap${SWAP_GIB:-8}" ${best#*|} -- --swap-space "${SWAP_GIB:-8}"
     summary "$OUT"/trt-8b-2k*.json
     trt_step q0 PAGEDLLM_FP8_FUSED_QUANT=0
-    trt_step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
+    trt_step tcompact PAGEDLLM_GRAPH_TABLE_UPLOAD=compact
     ;;
 trt-probe)
     # Where a trt-8b decode step's time goes, cheaply, most telling first: one steady
@@ -378,7 +378,7 @@ trt-probe)
     # the same step's wall time with the activations quantized apart
     # (PAGEDLLM_FP8_FUSED_QUANT=0), over head-major pages (PAGEDLLM_KV_LAYOUT=hnd), on the
     # (KV heads, sequences) decode grid (PAGEDLLM_DECODE_HEADS_FIRST=1) and with the graphs'
-    # block tables uploaded whole (PAGEDLLM_GRAPH_TABLE_UPLOAD=full); decode attention
+    # block tables uploaded compacted (PAGEDLLM_GRAPH_TABLE_UPLOAD=compact); decode attention
     # alone over fp8 pages at 512 x 1,152 keys (trt-8b-2k's mean) per launch setting, page
     # size, layout and grid order; the FP8 products by scaling (row-wise against one scale
     # a tensor); FlashInfer's fp8 batch decode last (carry .whl-fi; its kernels build just
@@ -389,7 +389,7 @@ trt-probe)
     trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
     trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1
     trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1
-    trt_step tfull PAGEDLLM_GRAPH_TABLE_UPLOAD=full
+    trt_step tcompact PAGEDLLM_GRAPH_TABLE_UPLOAD=compact
     timeout "$(cap 150)" python3 benchmarks/attn_decode_bench.py --batch 512 --ctx ${ATTN_CTX:-1152} \
         --shapes llama3-8b --pages fp8 --computes fp16 --settings ${ATTN_SETTINGS:-64,2,2 64,2,3 64,4,2 128,4,2 128,4,3 32,2,2} \
         --page ${ATTN_PAGES:-16 32} --layout nhd hnd --heads-first 0 1 --json "$OUT/attn-decode-trt-probe.json" 2>&1 | tail -52

@@ -99,7 +99,7 @@ def test_trt_probe_times_the_step_per_switch(tmp_path):
     assert "--profile-steps 0" not in steps[0] and "decode-step-trt-8b.json" in steps[0]
     want = [("fq=0", "kvl=unset", "hf=unset", "-q0.json"), ("fq=unset", "kvl=hnd", "hf=unset", "-hnd.json"),
             ("fq=unset", "kvl=unset", "hf=1", "-hf1.json"), ("fq=unset", "kvl=hnd", "hf=1", "-hnd-hf1.json"),
-            ("fq=unset", "kvl=unset", "hf=unset", "-tfull.json")]
+            ("fq=unset", "kvl=unset", "hf=unset", "-tcompact.json")]
     for call, marks in zip(steps[1:], want, strict=True):
         assert "--profile-steps 0" in call and all(m in call for m in marks), (call, marks)
     attn = [c for c in calls if "attn_decode_bench.py" in c]
@@ -143,6 +143,6 @@ def test_trt_pick_short_call(tmp_path):
     """PICK_VARIANTS narrows the step timings; a run that would not fit the call's budget
     is skipped rather than cut short."""
     calls = _dry_run(tmp_path, "trt-pick", PICK_VARIANTS="hnd")
-    assert sum("decode_step_profile.py" in c for c in calls) == 4  # profile, hnd, q0, tfull
+    assert sum("decode_step_profile.py" in c for c in calls) == 4  # profile, hnd, q0, tcompact
     calls = _dry_run(tmp_path / "short", "trt-pick", BUDGET_S="60")
     assert not [c for c in calls if "bench throughput" in c]

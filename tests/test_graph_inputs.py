@@ -8,10 +8,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedllm.worker import cuda_graphs
 from pagedllm.worker.cuda_graphs import _GraphInputs
 
 
-def test_tables_go_last_and_a_step_uploads_only_its_columns():
+def test_tables_go_last_and_a_step_uploads_only_its_columns(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "COMPACT_TABLES", True)  # PAGEDLLM_GRAPH_TABLE_UPLOAD=compact
     rows, width = 4, 10
     gi = _GraphInputs({"ids": 8, "tables": rows * width, "tail": 5}, torch.device("cpu"), width)
     assert gi._off["tables"] > gi._off["tail"] > gi._off["ids"]
@@ -48,3 +50,13 @@ def test_inputs_without_tables_upload_whole():
     gi.field("pos", 4, h)[:] = 3
     gi.upload(2)  # no tables: the columns mean nothing
     assert gi.field("pos", 4).tolist() == [3] * 4
+
+
+def test_whole_upload_unless_compact_is_asked_for(monkeypatch):
+    """The default (PAGEDLLM_GRAPH_TABLE_UPLOAD unset: full) copies every column."""
+    monkeypatch.setattr(cuda_graphs, "COMPACT_TABLES", False)
+    gi = _GraphInputs({"ids": 4, "tables": 2 * 8}, torch.device("cpu"), 8)
+    h = gi.next_host()
+    gi.field("tables", 16, h)[:] = np.arange(16)
+    gi.upload(3)
+    assert gi.field("tables", 16).tolist() == list(range(16))

@@ -31,9 +31,10 @@ from pagedllm.config import env_flag
 logger = logging.getLogger(__name__)
 
 
-# Block tables go to the graphs' inputs compacted to a step's columns (_GraphInputs.upload);
-# PAGEDLLM_GRAPH_TABLE_UPLOAD=full copies every column instead (for an A/B).
-COMPACT_TABLES = os.environ.get("PAGEDLLM_GRAPH_TABLE_UPLOAD", "compact") != "full"
+# PAGEDLLM_GRAPH_TABLE_UPLOAD=compact: block tables go to the graphs' inputs compacted to a
+# step's columns (_GraphInputs.upload). Off ("full", every column) until a GPU run has
+# checked and timed it: it was built and tested on the CPU only.
+COMPACT_TABLES = os.environ.get("PAGEDLLM_GRAPH_TABLE_UPLOAD", "full") == "compact"
 
 
 def max_graph_batch() -> int:
