@@ -13,7 +13,8 @@
 # tp (two GPUs): TP=2 vs TP=1 greedy tokens, gpu-7b throughput at TP=1 and TP=2;
 # fp8: the FP8 GPU tests, the FP8 GEMM table, gpu-7b bf16 / FP8 weights / FP8 weights + KV;
 # trt-probe: where a trt-8b decode step's time goes (see the part); trt-pick: the step's
-#   timings per switch, then trt-8b-2k with the defaults and with the fastest;
+#   timings per switch, then trt-8b-2k with the defaults and with the fastest (PICK_TESTS=1:
+#   the opt-in pieces' GPU tests first);
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
 #   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
 #   the fused sampler off / on; TRT_ATTN=1: an fp8 decode attention sweep);
@@ -71,6 +72,16 @@ trt_step() {  # trt_step TAG [ENV=VALUE...]: a steady 512-sequence trt-8b decode
     env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
         --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-$tag.json" 2>&1 | \
         grep -v "USDT\\|Warning" | tail -2 || true
+}
+opt_in_tests() {  # the GPU tests of the opt-in pieces (head-major pages and the heads-first
+    # grid, the swap space with pinned pages and the stream's order, the graphs with
+    # compacted block tables against eager), with the compacted upload on
+    PAGEDLLM_GRAPH_TABLE_UPLOAD=compact timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider \
+        tests/test_triton_attention.py::test_head_major_pages_match_token_major \
+        tests/test_triton_attention.py::test_fp8_decode_launch_follows_group_and_splits \
+        tests/test_swap_space.py tests/test_graph_inputs.py \
+        tests/test_gpu.py::test_cuda_graphs_match_eager tests/test_gpu.py::test_cuda_async_scheduling_matches_in_step \
+        2>&1 | tail -3
 }
 summary() {  # one line per result file
     python3 - "$@" <<'EOF'
@@ -309,45 +320,52 @@ trt-last)
     # heads-first grid, the swap space with pinned pages and the stream's order, the graphs
     # with compacted block tables against eager), then the steady trt-8b decode step's wall time
     # with token-major and with head-major pages.
-    PAGEDLLM_GRAPH_TABLE_UPLOAD=compact timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider \
-        tests/test_triton_attention.py::test_head_major_pages_match_token_major \
-        tests/test_triton_attention.py::test_fp8_decode_launch_follows_group_and_splits \
-        tests/test_swap_space.py tests/test_graph_inputs.py \
-        tests/test_gpu.py::test_cuda_graphs_match_eager tests/test_gpu.py::test_cuda_async_scheduling_matches_in_step \
-        2>&1 | tail -3
+    opt_in_tests
     trt_step default
     trt_step hnd PAGEDLLM_KV_LAYOUT=hnd
     ;;
 trt-pick)
-    # One call that decides and measures: the profiled steady decode step (defaults), its
-    # wall time per page layout / grid (as trt-probe), then trt-8b-2k (NUM_PROMPTS, default
-    # 512) with the defaults, with the fastest variant of the step timings, and with that
-    # one and a swap space (SWAP_GIB, default 8: preempted sequences' pages kept on the host),
-    # in the same call; last the step's wall time with the activations quantized apart and
-    # with the graphs' block tables uploaded whole.
+    # One call that decides and measures: (PICK_TESTS=1) the GPU tests of the opt-in pieces
+    # first (as trt-last); the profiled steady decode step (defaults); its wall time per
+    # variant (PICK_VARIANTS: page layout / grid as trt-probe, tcompact the graphs' block
+    # tables uploaded compacted); then trt-8b-2k (NUM_PROMPTS, default 512) with the
+    # defaults, with the fastest layout / grid variant (plus the compacted upload where its
+    # step was faster than the defaults'), and with that and a swap space (SWAP_GIB, default
+    # 8: preempted sequences' pages kept on the host), in the same call; last the step's
+    # wall time with the activations quantized apart.
+    [[ ${PICK_TESTS:-0} != 0 ]] && opt_in_tests
     timeout "$(cap 120)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
         --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\\|Warning" | tail -45
     # PICK_VARIANTS: the step variants timed (a short call: fewer)
-    for v in ${PICK_VARIANTS:-hnd hf1 hnd-hf1}; do
+    for v in ${PICK_VARIANTS:-hnd hf1 hnd-hf1 tcompact}; do
         case $v in
         hnd) trt_step hnd PAGEDLLM_KV_LAYOUT=hnd ;;
         hf1) trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1 ;;
         hnd-hf1) trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1 ;;
+        tcompact) trt_step tcompact PAGEDLLM_GRAPH_TABLE_UPLOAD=compact ;;
         esac
     done
     best=$(python3 - "$OUT" <<'PICK'
 import json, os, sys
 env = {"": "", "hnd": "PAGEDLLM_KV_LAYOUT=hnd", "hf1": "PAGEDLLM_DECODE_HEADS_FIRST=1",
        "hnd-hf1": "PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1"}
+compact = "PAGEDLLM_GRAPH_TABLE_UPLOAD=compact"
 walls = {}
-for tag in env:
+for tag in [*env, "tcompact"]:
     path = os.path.join(sys.argv[1], f"decode-step-trt-8b{'-' + tag if tag else ''}.json")
     try:
         walls[tag] = json.load(open(path))["decode"]["wall_ms"]
     except Exception:
         pass
-best = min(walls, key=walls.get) if "" in walls else ""
-print(f"{best}|{env[best]}")
+if "" not in walls:
+    print("|")
+    sys.exit()
+best = min((t for t in env if t in walls), key=walls.get)
+tags, envs = [best] if best else [], [env[best]] if best else []
+if walls.get("tcompact", walls[""]) < walls[""]:  # the upload is apart from the attention variant
+    tags.append("tcompact")
+    envs.append(compact)
+print(f"{'-'.join(tags)}|{' '.join(envs)}")
 PICK
 )
     echo "decode step wall by variant -> best: ${best%%|*}"
@@ -370,7 +388,6 @@ PICK
     trt_run "${vtag:+-$vtag}-swap${SWAP_GIB:-8}" ${best#*|} -- --swap-space "${SWAP_GIB:-8}"
     summary "$OUT"/trt-8b-2k*.json
     trt_step q0 PAGEDLLM_FP8_FUSED_QUANT=0
-    trt_step tcompact PAGEDLLM_GRAPH_TABLE_UPLOAD=compact
     ;;
 trt-probe)
     # Where a trt-8b decode step's time goes, cheaply, most telling first: one steady

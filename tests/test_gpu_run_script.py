@@ -25,7 +25,7 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
                     'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} sampler=${PAGEDLLM_FUSED_SAMPLER-unset} '
                     'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} fq=${PAGEDLLM_FP8_FUSED_QUANT-unset} '
                     'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} kvl=${PAGEDLLM_KV_LAYOUT-unset} '
-                    'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} $*" >> "$CALLS_LOG"\n'
+                    'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} tu=${PAGEDLLM_GRAPH_TABLE_UPLOAD-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log), "REAL_PYTHON": sys.executable,
@@ -137,12 +137,21 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     calls = _dry_run(tmp_path / "again", "trt-pick", OUT=str(out))
     runs = [c for c in calls if "bench throughput" in c]
     assert len(runs) == 2 and "kvl=unset" in runs[1] and "trt-8b-2k-swap8.json" in runs[1], runs
+    # the compacted upload faster than the defaults: added to the fastest layout / grid
+    (out / "decode-step-trt-8b.json").write_text(json.dumps({"decode": {"wall_ms": 26.0}}))
+    (out / "decode-step-trt-8b-tcompact.json").write_text(json.dumps({"decode": {"wall_ms": 25.5}}))
+    calls = _dry_run(tmp_path / "compact", "trt-pick", OUT=str(out), PICK_TESTS="1")
+    assert "-m pytest" in calls[0] and "tests/test_graph_inputs.py" in calls[0]
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 3 and "trt-8b-2k-hnd-tcompact.json" in runs[1] and "kvl=hnd" in runs[1], runs
+    assert "tu=compact" in runs[1] and "tu=unset" in runs[0]
+    assert "trt-8b-2k-hnd-tcompact-swap8.json" in runs[2]
 
 
 def test_trt_pick_short_call(tmp_path):
     """PICK_VARIANTS narrows the step timings; a run that would not fit the call's budget
     is skipped rather than cut short."""
     calls = _dry_run(tmp_path, "trt-pick", PICK_VARIANTS="hnd")
-    assert sum("decode_step_profile.py" in c for c in calls) == 4  # profile, hnd, q0, tcompact
+    assert sum("decode_step_profile.py" in c for c in calls) == 3  # profile, hnd, q0
     calls = _dry_run(tmp_path / "short", "trt-pick", BUDGET_S="60")
     assert not [c for c in calls if "bench throughput" in c]
