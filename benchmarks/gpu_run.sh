@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-b1|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -15,6 +15,7 @@
 # trt-probe: where a trt-8b decode step's time goes (see the part); trt-pick: the step's
 #   timings per switch, then trt-8b-2k with the defaults and with the fastest (PICK_TESTS=1:
 #   the opt-in pieces' GPU tests first);
+# fp8-b1: FP8 weights at one sequence, the few-row weight-only kernel on and off, bf16 beside;
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
 #   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
 #   the fused sampler off / on; TRT_ATTN=1: an fp8 decode attention sweep);
@@ -244,6 +245,27 @@ fp8)
             "${flags[@]}" --output-json "$OUT/gpu-7b-$q.json" 2>&1 | tail -3
     done
     summary "$OUT"/gpu-7b-*.json
+    ;;
+fp8-b1)
+    # FP8 weights at one sequence (decode steps of one row): the GPU tests of the few-row
+    # weight-only FP8 kernel, the kernel against torch._scaled_mm and bf16 cuBLAS on the 8B
+    # shapes (B1_ROWS rows, default 1 2 4), then one request (128 in, B1_OUT out, default 512)
+    # on the Llama-3.1-8B shape in bf16, in FP8 with the kernel (PAGEDLLM_SKINNY_FP8_MAX_ROWS=1)
+    # and in FP8 without it (=0), on the same card.
+    timeout "$(cap 150)" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_skinny_gemm.py \
+        tests/test_fp8.py tests/test_fp8_fused_quant.py -k "not interpreter" 2>&1 | tail -3
+    timeout "$(cap 120)" python3 benchmarks/skinny_gemm_bench.py --fp8 --rows ${B1_ROWS:-1 2 4} \
+        --json "$OUT/skinny-gemm-fp8.json" 2>&1 | grep -v Warning | tail -12
+    for q in bf16 fp8 fp8-noskinny; do
+        flags=() envs=()
+        [[ $q != bf16 ]] && flags+=(--quantization fp8)
+        [[ $q == fp8 ]] && envs+=(PAGEDLLM_SKINNY_FP8_MAX_ROWS=1)
+        [[ $q == fp8-noskinny ]] && envs+=(PAGEDLLM_SKINNY_FP8_MAX_ROWS=0)
+        env "${envs[@]}" timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
+            --num-prompts 1 --input-len 128 --output-len "${B1_OUT:-512}" "${flags[@]}" \
+            --output-json "$OUT/b1-8b-$q.json" 2>&1 | tail -2
+    done
+    summary "$OUT"/b1-8b-*.json
     ;;
 attn)
     # Decode attention alone over bf16 and fp8 pages (fp16 / bf16 products), launch settings.

@@ -487,3 +487,72 @@ def test_triton_token_quantization_equals_torch():
         assert torch.equal(q.view(torch.uint8), qt.view(torch.uint8))
     q, s = quantize_tokens_triton(torch.zeros(2, 64, device="cuda"))
     assert torch.isfinite(s).all() and not q.float().any()
+
+
+@pytest.mark.gpu
+def test_one_row_takes_the_weight_only_kernel(monkeypatch):
+    """A decode row of an FP8 layer (per-row scales) goes through skinny_gemm against the
+    fp8 weight as it is: no per-token rounding of the activations, so it is within bf16's
+    rounding of the dequantized product; 7 rows, or PAGEDLLM_SKINNY_FP8_MAX_ROWS=0, keep
+    torch._scaled_mm."""
+    if not _fp8_gpu():
+        pytest.skip("needs compute capability 8.9 or newer")
+    from pagedllm.model_executor.layers import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 1)  # PAGEDLLM_SKINNY_FP8_MAX_ROWS=1
+    layer, w = _bf16_layer(FP8Spec("fbgemm_fp8", "channel"), {"q": 512, "k": 128, "v": 128}, 1024, device="cuda")
+    assert layer.method.fp8_matmul and layer.method.skinny
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ w.cuda().T + layer.bias.float()
+    out = layer(x)
+    assert calls and out.dtype == torch.bfloat16
+    assert ((out.float() - want).norm() / want.norm()).item() < 0.01
+    calls.clear()
+    layer(torch.randn(7, 1024, device="cuda", dtype=torch.bfloat16))
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 0)
+    layer(x)
+    assert not calls
+
+
+@pytest.mark.gpu
+def test_batch_one_decode_with_the_weight_only_kernel(float_model, tmp_path, monkeypatch):
+    """One sequence at a time (decode steps of one row, CUDA graphs): the FP8 model's greedy
+    tokens and logprobs follow the same model with its weights dequantized to bf16 at load
+    (the kernel multiplies the same weights; only rounding differs), and the kernel ran."""
+    if not _fp8_gpu():
+        pytest.skip("needs compute capability 8.9 or newer")
+    from pagedllm.model_executor.layers import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 1)  # PAGEDLLM_SKINNY_FP8_MAX_ROWS=1
+    _, hf = float_model
+    write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "channel"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    reqs = [{"prompt_token_ids": p} for p in prompts(2, seed=7)]
+
+    def run():
+        llm = LLM(model=str(tmp_path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+                  num_kv_blocks=64, max_num_seqs=1)
+        out = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                          o.outputs[0].token_ids, strict=True)])
+               for o in llm.generate(reqs, params)]
+        skinny = [m.method.skinny for m in _fp8_layers(llm.engine.executor.model)]
+        del llm
+        return out, skinny
+
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fp8_out, skinny = run()
+    assert skinny and all(skinny) and calls
+    monkeypatch.setattr(Fp8Method, "_why_not_fp8", lambda self, layer: "dequantized for the test")
+    deq_out, skinny = run()
+    assert not any(skinny)
+    same = sum(a == b for (ta, _), (tb, _) in zip(fp8_out, deq_out, strict=True) for a, b in zip(ta, tb, strict=True))
+    assert same >= 14, (fp8_out, deq_out)  # of 16
+    for (ta, la), (tb, lb) in zip(fp8_out, deq_out, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(ta, tb, strict=True)) if a != b), len(ta))
+        for a, b in zip(la[:n], lb[:n], strict=True):
+            assert abs(a - b) < 0.05

@@ -107,6 +107,7 @@ def test_which_layers_take_fp8_rows(monkeypatch):
     from types import SimpleNamespace
 
     from pagedllm import batch_invariant
+    from pagedllm.model_executor.layers import skinny_gemm
     from pagedllm.model_executor.layers.quantization.fp8 import Fp8Method
     from pagedllm.model_executor.lora.layers import LoRAMethod
 
@@ -128,6 +129,14 @@ def test_which_layers_take_fp8_rows(monkeypatch):
     lora = LoRAMethod.__new__(LoRAMethod)
     lora.inner = method
     assert method.takes_fp8_rows(layer) and not lora.takes_fp8_rows(layer)
+    # where the few-row kernel takes a layer (weight-only, reading the float input), inputs
+    # of up to FP8_MAX_ROWS rows stay float; larger ones, or of unknown size, are quantized
+    method.skinny = True
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 2)
+    assert not method.takes_fp8_rows(layer, 1) and not method.takes_fp8_rows(layer, 2)
+    assert method.takes_fp8_rows(layer, 3) and method.takes_fp8_rows(layer)
+    method.skinny = False
+    assert method.takes_fp8_rows(layer, 1)
     code = "from pagedllm.model_executor.layers.quantization import fp8; print(fp8.FUSED_QUANT)"
     for value, want in (("0", "False"), ("1", "True"), (None, "True")):
         env = {k: v for k, v in os.environ.items() if k != "PAGEDLLM_FP8_FUSED_QUANT"}
@@ -197,7 +206,7 @@ def test_fp8_model_fused_and_unfused_agree(tmp_path, monkeypatch):
 
     fused = run()
     assert calls["norm"] > 0 and calls["silu"] > 0
-    monkeypatch.setattr(Fp8Method, "takes_fp8_rows", lambda self, layer: False)
+    monkeypatch.setattr(Fp8Method, "takes_fp8_rows", lambda self, layer, rows=None: False)
     seen = dict(calls)
     plain = run()
     assert calls == seen  # nothing quantized ahead this time

@@ -25,7 +25,8 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
                     'echo "graphs=${PAGEDLLM_MAX_GRAPH_BATCH-unset} sampler=${PAGEDLLM_FUSED_SAMPLER-unset} '
                     'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} fq=${PAGEDLLM_FP8_FUSED_QUANT-unset} '
                     'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} kvl=${PAGEDLLM_KV_LAYOUT-unset} '
-                    'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} tu=${PAGEDLLM_GRAPH_TABLE_UPLOAD-unset} $*" >> "$CALLS_LOG"\n'
+                    'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} tu=${PAGEDLLM_GRAPH_TABLE_UPLOAD-unset} '
+                    'sk=${PAGEDLLM_SKINNY_FP8_MAX_ROWS-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log), "REAL_PYTHON": sys.executable,
@@ -106,6 +107,20 @@ def test_trt_probe_times_the_step_per_switch(tmp_path):
     assert len(attn) == 2 and "--heads-first 0 1" in attn[0] and "--flashinfer" in attn[1], attn
     assert all("--layout nhd hnd" in c for c in attn)
     assert any("fp8_scaling_bench.py" in c for c in calls)
+
+
+def test_fp8_b1_runs_bf16_and_fp8_with_and_without_the_kernel(tmp_path):
+    calls = _dry_run(tmp_path, "fp8-b1", B1_OUT="256")
+    assert "-m pytest" in calls[0] and "tests/test_skinny_gemm.py" in calls[0]
+    assert any("skinny_gemm_bench.py --fp8 --rows 1 2 4" in c for c in calls)
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 3, calls
+    bf16, fp8, off = runs
+    assert all("--num-prompts 1 --input-len 128 --output-len 256" in r for r in runs)
+    assert "--quantization" not in bf16 and "b1-8b-bf16.json" in bf16
+    assert "--quantization fp8" in fp8 and "b1-8b-fp8.json" in fp8
+    assert "--quantization fp8" in off and "b1-8b-fp8-noskinny.json" in off
+    assert "sk=unset" in bf16 and "sk=1" in fp8 and "sk=0" in off
 
 
 def test_trt_kv_layout_switch(tmp_path):

@@ -40,6 +40,35 @@ def test_kernel_matches_torch(m, n, k, config, bias):
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * k ** 0.5)
 
 
+FP8_CASES = [(1, 37, 208, (1, 8, 64, 4)), (2, 5, 80, (2, 4, 64, 4)), (1, 130, 1040, None), (4, 96, 256, None)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,config", FP8_CASES)
+def test_fp8_weights_match_the_dequantized_product(m, n, k, config, bias):
+    """e4m3 weights with one scale a row: x @ (weight * scale).T, the weight widened as it is
+    read and each sum scaled once (N not a multiple of BN, K past one key tile)."""
+    pytest.importorskip("triton")
+    from pagedllm.model_executor.layers.quantization import fp8
+
+    dev = kernel_device()
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dev, dtype)
+    wq, ws = fp8.quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    wq, ws = wq.to(dev), ws.to(dev)
+    b = torch.randn(n, generator=g).to(dev, dtype) if bias else None
+    y = skinny_gemm.skinny_linear(x, wq, b, config=config, scale=ws.reshape(-1))
+    ref = x.float() @ (wq.float() * ws).T + (b.float() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # the scale is applied: a layer whose scales double gives twice the product
+    y2 = skinny_gemm.skinny_linear(x, wq, None, config=config, scale=(ws * 2).reshape(-1))
+    torch.testing.assert_close(y2.float(), 2 * (x.float() @ (wq.float() * ws).T), rtol=tol,
+                               atol=tol * ref.abs().max().item())
+
+
 def test_a_row_does_not_depend_on_the_others():
     """Batch 1 and the same row inside a batch of 3 give the same bits (the launch's MB
     differs, the sum's order does not)."""
@@ -57,8 +86,8 @@ def test_a_row_does_not_depend_on_the_others():
 def test_the_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_skinny_gemm.py",
-                           "-k", "kernel_matches or does_not_depend"], 600)
-    assert res.returncode == 0 and "13 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+                           "-k", "kernel_matches or does_not_depend or fp8_weights"], 600)
+    assert res.returncode == 0 and "21 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
 
 def test_launch_config_follows_the_sweep():
@@ -69,6 +98,9 @@ def test_launch_config_follows_the_sweep():
     assert skinny_gemm.launch_config(1, 128, 2048) == (1, 2, 1024, 4)
     assert skinny_gemm.launch_config(4, 128, 2048) == (4, 1, 1024, 4)  # the router at 4 rows
     assert skinny_gemm.launch_config(3, 128, 40)[:3] == (4, 1, 64)  # no key tile past what K needs
+    # FP8 weights: twice the output rows a program (the same bytes a tile)
+    assert skinny_gemm.launch_config(1, 5120, 2048, fp8=True) == (1, 8, 1024, 4)
+    assert skinny_gemm.launch_config(1, 4096, 14336, fp8=True) == (1, 4, 1024, 4)
 
 
 def test_which_products_it_takes(monkeypatch):
@@ -91,6 +123,30 @@ def test_which_products_it_takes(monkeypatch):
     assert not skinny_gemm.applies(x[:1, :60], odd)  # K not a multiple of 8
     monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)  # PAGEDLLM_SKINNY_MAX_ROWS=0
     assert not skinny_gemm.applies(x[:1], w)
+
+
+def test_which_fp8_products_it_takes(monkeypatch):
+    """FP8: a CUDA bf16/fp16 input of up to FP8_MAX_ROWS rows, an e4m3 weight with one scale
+    a row, K a multiple of 16; nothing on the CPU."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 1)
+    w = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    s = torch.ones(32, 1)
+    assert not skinny_gemm.applies_fp8(torch.zeros(1, 64, dtype=torch.bfloat16), w, s)  # CPU
+    if not torch.cuda.is_available():
+        return
+    w, s = w.cuda(), s.cuda()
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device="cuda")
+    assert skinny_gemm.applies_fp8(x[:1], w, s) and not skinny_gemm.applies_fp8(x, w, s)
+    assert skinny_gemm.applies_fp8(x[:1].half(), w, s) and not skinny_gemm.applies_fp8(x[:1].float(), w, s)
+    assert not skinny_gemm.applies_fp8(x[:1], w, torch.ones(32, 2, device="cuda"))  # block scales
+    assert not skinny_gemm.applies_fp8(x[:1], w.to(torch.bfloat16), s)  # not an fp8 weight
+    assert not skinny_gemm.applies_fp8(x[:1, :56], torch.zeros(32, 56, dtype=torch.float8_e4m3fn,
+                                                               device="cuda"), s)  # K not a multiple of 16
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 2)
+    assert skinny_gemm.applies_fp8(x, w, s)
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 0)  # PAGEDLLM_SKINNY_FP8_MAX_ROWS=0
+    assert not skinny_gemm.applies_fp8(x[:1], w, s)
 
 
 @pytest.mark.gpu

@@ -101,10 +101,11 @@ class LinearBase(ShardedWeights, nn.Module):
         self.register_parameter("bias", frozen_param(torch.empty(layout.out_features)) if bias else None)
         self._bias_loaded: set[str | None] = set()
 
-    def takes_fp8_rows(self) -> bool:
+    def takes_fp8_rows(self, rows: int | None = None) -> bool:
         """Whether forward may be given an Fp8Rows (activations the layer before quantized
-        per token) instead of a float tensor: see quantization/fp8_rows.py."""
-        return self.method.takes_fp8_rows(self)
+        per token) instead of a float tensor: see quantization/fp8_rows.py. `rows`: the
+        input's row count where the caller knows it (a few rows may take another product)."""
+        return self.method.takes_fp8_rows(self, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout.reduce:  # sum the ranks' partial products, add the bias once

@@ -21,7 +21,17 @@ read (qkv 17.5 us against 7.6), except for small weights (the router, 2.3 agains
 So DenseMethod takes it for CUDA bf16/fp16 inputs of one row, or of up to MAX_ROWS
 (PAGEDLLM_SKINNY_MAX_ROWS; 0 turns the kernel off) for weights of at most SMALL_WEIGHT
 values, outside the batch-invariant mode (whose products have fixed tiles of their own).
-A row's result does not depend on the other rows."""
+A row's result does not depend on the other rows.
+
+FP8 weights (e4m3, one float32 scale per output row) go through the same kernel: each
+weight is widened to float32 as it is read and the row's sum multiplied by its scale at
+the end, against bf16/fp16 activations as they are (weight-only FP8: nothing to quantize
+per token). At one row the product is the weight's read, and an FP8 weight is half a bf16
+one; torch._scaled_mm there took as long as the bf16 product or longer (8b.down, one row,
+H200: 40 us plus 9 us to quantize the row, against 32 us in bf16;
+benchmarks/results/2026-12-05-gpu-h200-fp8-gemm-*.json). Fp8Method takes it for up to
+FP8_MAX_ROWS rows (PAGEDLLM_SKINNY_FP8_MAX_ROWS, e.g. 1; 0, the default until a card has
+timed it, leaves every FP8 product to torch._scaled_mm)."""
 
 from __future__ import annotations
 
@@ -44,6 +54,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 # read once: applies() runs for every dense product of an eager step
 MAX_ROWS = int(os.environ.get("PAGEDLLM_SKINNY_MAX_ROWS", DEFAULT_MAX_ROWS))
+# FP8 weights: off (0) until a card has checked and timed it (benchmarks/gpu_run.sh fp8-b1)
+FP8_MAX_ROWS = int(os.environ.get("PAGEDLLM_SKINNY_FP8_MAX_ROWS", 0))
+FP8 = torch.float8_e4m3fn
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -61,28 +74,45 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(0) % 8 == 0)
 
 
-def launch_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def applies_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `skinny_linear` takes this FP8 product: a CUDA bf16/fp16 input of at most
+    FP8_MAX_ROWS rows, an e4m3 weight with one scale a row (scale [N, 1]), unit stride
+    along K on both sides, K and the weight's row stride multiples of 16 (16-byte rows)."""
+    if triton is None or not x.is_cuda or x.dtype not in _DTYPES or weight.dtype != FP8:
+        return False
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    return (1 <= rows <= FP8_MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1
+            and k % 16 == 0 and weight.stride(0) % 16 == 0 and scale.numel() == weight.shape[0])
+
+
+def launch_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:
     """(MB, BN, BK, num_warps): MB rows padded to a power of two; BK up to 1,024 keys a
     tile; BN output rows a program, 4 for wide layers and 2 below 5,120 outputs at one row,
-    fewer at more rows (the fastest settings of the H200 sweep); 4 warps."""
+    fewer at more rows (the fastest settings of the H200 sweep); 4 warps. FP8 weights: twice
+    the output rows a program, the same bytes a tile as bf16's (not yet swept on a card:
+    benchmarks/skinny_gemm_bench.py --fp8)."""
     mb = 1 << max(0, (m - 1).bit_length())
     bk = min(1024, 1 << max(6, (k - 1).bit_length()))
-    bn = max(1, (4 if n >= 5120 else 2) // mb)
+    bn = max(1, (4 if n >= 5120 else 2) * (2 if fp8 else 1) // mb)
     return mb, bn, bk, 4
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                  config: tuple[int, int, int, int] | None = None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for x [..., K] of few rows, weight [N, K]; `config` overrides
-    launch_config (benchmarks)."""
+    launch_config (benchmarks). `scale` [N] or [N, 1] float32: an e4m3 weight's per-row
+    scale, x @ (weight * scale).T; the result in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    mb, bn, bk, warps = config or launch_config(m, n, k)
+    mb, bn, bk, warps = config or launch_config(m, n, k, fp8=scale is not None)
     _skinny_kernel[(triton.cdiv(n, bn),)](
-        x2, weight, weight if bias is None else bias, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        MB=mb, BN=bn, BK=bk, BIAS=bias is not None, num_warps=warps,
+        x2, weight, weight if bias is None else bias, weight if scale is None else scale, y, m, n, k,
+        x2.stride(0), weight.stride(0), y.stride(0),
+        MB=mb, BN=bn, BK=bk, BIAS=bias is not None, SCALED=scale is not None, num_warps=warps,
         **pdl.kernel_options(x))
     return y.view(*lead, n)
 
@@ -91,8 +121,8 @@ if triton is not None:
     from pagedllm.pdl import launch_dependents, wait
 
     @triton.jit
-    def _skinny_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, MB: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr):
+    def _skinny_kernel(X, W, B, S, Y, M, N, K, sxm, swn, sym, MB: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, BIAS: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         rm = tl.arange(0, MB)
@@ -112,6 +142,8 @@ if triton is not None:
             w_next = tl.load(w_ptr + (k0 + BK), mask=nin[:, None] & (rk + (k0 + BK) < K)[None, :], other=0.0)
             acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
             w = w_next
+        if SCALED:  # an FP8 weight's row scales (read after the loop: the weight's bytes first)
+            acc *= tl.load(S + rn, mask=nin, other=0.0)[None, :]
         if BIAS:
             acc += tl.load(B + rn, mask=nin, other=0.0).to(tl.float32)[None, :]
         y_ptr = Y + rm[:, None] * sym + rn[None, :]

@@ -80,7 +80,7 @@ class WeightMethod:
         """The float [out, in] weight the layer computes with (tests and fallbacks)."""
         raise NotImplementedError
 
-    def takes_fp8_rows(self, layer: LinearBase) -> bool:
+    def takes_fp8_rows(self, layer: LinearBase, rows: int | None = None) -> bool:
         """Whether `apply` takes activations quantized per token (an Fp8Rows) right now:
         only FP8 products do; a wrapper (LoRA) that also reads the float input does not."""
         return False

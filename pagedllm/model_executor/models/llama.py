@@ -255,17 +255,17 @@ class MLP(nn.Module):
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
         if self.silu and fused_ops.available(gate_up):
-            if self.down_proj.takes_fp8_rows():  # quantized for the FP8 product as it is made
+            if self.down_proj.takes_fp8_rows(gate_up.shape[0]):  # quantized for the FP8 product as it is made
                 return self.down_proj(fused_ops.silu_and_mul_quant(gate_up))
             return self.down_proj(fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(batch_invariant.elementwise(self.act, gate) * up)
 
 
-def _takes_fp8_rows(module: nn.Module, name: str) -> bool:
+def _takes_fp8_rows(module: nn.Module, name: str, rows: int) -> bool:
     """Whether `module.<name>` is a linear layer that takes an Fp8Rows right now."""
     layer = getattr(module, name, None)
-    return layer is not None and layer.takes_fp8_rows()
+    return layer is not None and layer.takes_fp8_rows(rows)
 
 
 class DecoderLayer(nn.Module):
@@ -286,7 +286,7 @@ class DecoderLayer(nn.Module):
         every row still writes its keys and values, only these go through the MLP (and,
         where the attention takes `keep`, through its queries and output projection)."""
         quant = fused_ops.available(x) and x.dim() == 2  # norms hand FP8 layers e4m3 rows
-        qkv_quant = quant and _takes_fp8_rows(self.self_attn, "qkv_proj")
+        qkv_quant = quant and _takes_fp8_rows(self.self_attn, "qkv_proj", x.shape[0])
         if residual is None:
             residual = x
             h = self.input_layernorm(x, quant=qkv_quant)
@@ -303,7 +303,7 @@ class DecoderLayer(nn.Module):
             return h, residual
         if self.sandwich_norm:  # normed before the (fused) residual add of the next norm
             h = self.post_self_attn_layernorm(h)
-        mlp_quant = quant and isinstance(self.mlp, MLP) and _takes_fp8_rows(self.mlp, "gate_up_proj")
+        mlp_quant = quant and isinstance(self.mlp, MLP) and _takes_fp8_rows(self.mlp, "gate_up_proj", h.shape[0])
         h, residual = self.post_attention_layernorm(h, residual, quant=mlp_quant)
         h = self.mlp(h)
         if self.sandwich_norm:

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from pagedllm import batch_invariant
 from pagedllm.config import env_flag
+from pagedllm.model_executor.layers import skinny_gemm
 from pagedllm.model_executor.layers.quantization.config import QuantConfig
 from pagedllm.model_executor.layers.quantization.fp8_rows import Fp8Rows
 from pagedllm.model_executor.layers.sharding import (
@@ -186,6 +187,7 @@ class Fp8Method(WeightMethod):
     """FP8 (e4m3) weights with float32 scales; see the module docstring."""
 
     name = "fp8"
+    skinny = False  # set by finish: products of a few rows go through skinny_gemm (weight-only)
 
     def __init__(self, quant: QuantConfig):
         self.quant = quant
@@ -315,6 +317,7 @@ class Fp8Method(WeightMethod):
             level = logging.INFO
         if reason is None:
             self.fp8_matmul = True
+            self.skinny = self._probe_skinny(layer)
             return
         _log_once(level, f"FP8 weights dequantized to {str(self.dtype).removeprefix('torch.')} at load: {reason}")
         weight = dequantize(layer.weight.data, layer.weight_scale.data, self.k_block, self.dtype)
@@ -358,6 +361,31 @@ class Fp8Method(WeightMethod):
                 return f"torch._scaled_mm was {err:.0%} off the dequantized product ({m} rows)"
         return None
 
+    def _probe_skinny(self, layer: LinearBase) -> bool:
+        """Whether the few-row kernel (skinny_gemm, weight-only FP8) takes this layer's
+        products of up to FP8_MAX_ROWS rows: per-row scales, a 16-bit model and a probe row
+        that compiles and agrees with the dequantized weight (else torch._scaled_mm keeps
+        them, with a log line)."""
+        weight, scale = layer.weight.data, layer.weight_scale.data
+        x = torch.randn(1, layer.in_features, device=weight.device,
+                        generator=torch.Generator(device=weight.device).manual_seed(1)).to(self.dtype)
+        if skinny_gemm.FP8_MAX_ROWS < 1 or not skinny_gemm.applies_fp8(x, weight, scale):
+            return False
+        rows = min(layer.out_features, 256)
+        try:
+            got = skinny_gemm.skinny_linear(x, weight, scale=scale.reshape(-1))[:, :rows].float()
+        except Exception as e:  # noqa: BLE001 - a kernel that does not build here leaves _scaled_mm
+            _log_once(logging.WARNING, f"FP8 few-row kernel unavailable ({str(e).splitlines()[0]}): "
+                                       "torch._scaled_mm takes every FP8 product")
+            return False
+        want = x.float() @ dequantize(weight[:rows], scale[:rows], self.k_block, torch.float32).T
+        err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+        if not err < PROBE_TOLERANCE:
+            _log_once(logging.WARNING, f"FP8 few-row kernel was {err:.0%} off the dequantized product: "
+                                       "torch._scaled_mm takes every FP8 product")
+            return False
+        return True
+
     def _become_dense(self, layer: LinearBase) -> None:
         """Every shard came as a float `.weight`: the checkpoint left this layer
         unquantized, and from now on the dense method computes it."""
@@ -384,11 +412,14 @@ class Fp8Method(WeightMethod):
             return layer.weight if dtype is None else layer.weight.to(dtype)
         return dequantize(layer.weight, layer.weight_scale, self.k_block, dtype or self.dtype)
 
-    def takes_fp8_rows(self, layer: LinearBase) -> bool:
+    def takes_fp8_rows(self, layer: LinearBase, rows: int | None = None) -> bool:
         """Per-token scaled activations fit the row-wise product (one scale column) on FP8
-        tensor cores, outside the batch-invariant mode (which dequantizes instead).
+        tensor cores, outside the batch-invariant mode (which dequantizes instead), unless
+        the few-row kernel takes `rows` rows (it reads the float input).
         PAGEDLLM_FP8_FUSED_QUANT=0 (read at start-up) makes every layer quantize its own
         input again: the A/B of `benchmarks/gpu_run.sh trt` (TRT_FUSED_QUANT)."""
+        if self.skinny and rows is not None and rows <= skinny_gemm.FP8_MAX_ROWS:
+            return False
         return (FUSED_QUANT and self.fp8_matmul and self.k_block == layer.in_features
                 and not batch_invariant.is_enabled())
 
@@ -403,6 +434,9 @@ class Fp8Method(WeightMethod):
             # on the dequantized weight keeps a row's result independent of the batch.
             _log_once(logging.WARNING, "batch-invariant mode: FP8 layers dequantize their weights on every call")
             return batch_invariant.linear(x, self.dequantized_weight(layer, x.dtype), bias)
+        if self.skinny and skinny_gemm.applies_fp8(x, layer.weight, layer.weight_scale):
+            # a decode step of a few rows: one pass over the fp8 weight, activations as they are
+            return skinny_gemm.skinny_linear(x, layer.weight, bias, scale=layer.weight_scale.reshape(-1))
         out = scaled_mm(x.reshape(-1, layer.in_features), layer.weight, layer.weight_scale, self.k_block)
         out = out.view(*x.shape[:-1], layer.out_features).to(x.dtype)
         return out if bias is None else out + bias
