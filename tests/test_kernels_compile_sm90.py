@@ -47,9 +47,15 @@ def test_skinny_gemm_compiles(pdl):
 
     fn = skinny_gemm._skinny_kernel
     for mb, bn in ((1, 4), (1, 2), (4, 1)):
-        const = {"MB": mb, "BN": bn, "BK": 1024, "BIAS": mb == 1, "PDL": pdl}
-        sig = _signature(fn, const, {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16"}, set())
+        const = {"MB": mb, "BN": bn, "BK": 1024, "BIAS": mb == 1, "SCALED": False, "PDL": pdl}
+        sig = _signature(fn, const, {"X": "*bf16", "W": "*bf16", "B": "*bf16", "S": "*bf16", "Y": "*bf16"}, set())
         assert "ld.global" in _compile(fn, sig, const).asm["ptx"]
+    # e4m3 weights with float32 row scales (weight-only FP8), bf16 and fp16 activations
+    for x, mb, bn in (("*bf16", 1, 8), ("*fp16", 1, 4), ("*bf16", 2, 4)):
+        const = {"MB": mb, "BN": bn, "BK": 1024, "BIAS": mb == 1, "SCALED": True, "PDL": pdl}
+        sig = _signature(fn, const, {"X": x, "W": "*fp8e4nv", "B": x, "S": "*fp32", "Y": x}, set())
+        ptx = _compile(fn, sig, const).asm["ptx"]
+        assert "ld.global" in ptx and "e4m3" in ptx  # the weight widened from e4m3 in the kernel
 
 
 def test_moe_sum_k_compiles():
