@@ -80,7 +80,7 @@ opt_in_tests() {  # the GPU tests of the opt-in pieces (head-major pages and the
     PAGEDLLM_GRAPH_TABLE_UPLOAD=compact timeout "$(cap 100)" python3 -m pytest -q -p no:cacheprovider \
         tests/test_triton_attention.py::test_head_major_pages_match_token_major \
         tests/test_triton_attention.py::test_fp8_decode_launch_follows_group_and_splits \
-        tests/test_swap_space.py tests/test_graph_inputs.py \
+        tests/test_swap_space.py tests/test_graph_inputs.py tests/test_page_pool_release.py \
         tests/test_gpu.py::test_cuda_graphs_match_eager tests/test_gpu.py::test_cuda_async_scheduling_matches_in_step \
         2>&1 | tail -3
 }

@@ -78,6 +78,9 @@ class DraftRunner:
         self.kv_pool, self._kv_mmap, self.kv_caches = page_pool(spec, s.num_layers, num_blocks, r.block_size,
                                                                 r.kv_dtype, r.device, r.backend)
 
+    def release_kv_cache(self) -> None:
+        self.kv_pool, self._kv_mmap, self.kv_caches = None, None, []
+
     # ------------------------------------------------------------------ proposing
     def propose(self, chunks: list[ScheduledChunk]) -> None:
         """Fill each chunk's reserved `draft_token_ids` (placeholders) with the draft

@@ -317,7 +317,7 @@ class ModelRunner:
             self.model.compute_logits(h[-min(num_tokens, 256):])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - profile_pool
-        self.kv_caches = []
+        self.release_kv_cache()
         del h
         torch.cuda.empty_cache()
         return peak
@@ -377,6 +377,16 @@ class ModelRunner:
         self._host_pools = [torch.empty((swap_blocks, *p.shape[:2], *p.shape[3:]), dtype=p.dtype,
                                         pin_memory=self.device.type == "cuda") for p in self._kv_pools] \
             if swap_blocks else []
+
+    def release_kv_cache(self) -> None:
+        """Drop every reference to the page pool (the profile's scaffolding pool before the
+        real one is allocated): the per-layer views, the pool tensors the swap copies read,
+        the host pools and the draft model's pool. One reference kept is the whole pool kept:
+        a profile pool of a 128k sequence is some 8 GiB taken from the real one."""
+        self.kv_caches = []
+        self._kv_pools, self._host_pools, self._kv_mmap = [], [], None
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
 
     def swap_pages(self, so: SchedulerOutput) -> None:
         """The step's swap copies, queued ahead of its forward on the device's stream: out
