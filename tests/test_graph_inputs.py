@@ -60,3 +60,4 @@ def test_whole_upload_unless_compact_is_asked_for(monkeypatch):
     gi.field("tables", 16, h)[:] = np.arange(16)
     gi.upload(3)
     assert gi.field("tables", 16).tolist() == list(range(16))
+    assert not hasattr(gi, "_stage_dev")  # and no staging buffers were made

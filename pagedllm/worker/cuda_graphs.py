@@ -101,7 +101,9 @@ class _GraphInputs:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
         self.dev = torch.zeros(n, dtype=torch.int32, device=device)
-        self._width = table_width if "tables" in lengths else None
+        # the staging buffers (16 MB on the device and twice that pinned, at 512 rows of a
+        # 128k context) only where the compacted upload is on
+        self._width = table_width if "tables" in lengths and COMPACT_TABLES else None
         if self._width:
             self._table_rows = lengths["tables"] // self._width
             size = self._table_rows * self._width
@@ -131,7 +133,7 @@ class _GraphInputs:
         rows, would cross the bus every step ahead of the replay; the columns go over
         compacted and are spread into place on the device."""
         host, t0 = self._hosts[self._turn], self._off.get("tables")
-        if not self._width or table_cols is None or table_cols >= self._width or not COMPACT_TABLES:
+        if not self._width or table_cols is None or table_cols >= self._width:
             self.dev.copy_(host, non_blocking=True)
         else:
             rows, w, c = self._table_rows, self._width, max(1, table_cols)
