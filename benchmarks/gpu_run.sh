@@ -71,7 +71,7 @@ trt_step() {  # trt_step TAG [ENV=VALUE...]: a steady 512-sequence trt-8b decode
     local tag=$1
     shift
     env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
-        --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b-$tag.json" 2>&1 | \
+        --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b${tag:+-$tag}.json" 2>&1 | \
         grep -v "USDT\\|Warning" | tail -2 || true
 }
 opt_in_tests() {  # the GPU tests of the opt-in pieces (head-major pages and the heads-first
@@ -356,8 +356,12 @@ trt-pick)
     # 8: preempted sequences' pages kept on the host), in the same call; last the step's
     # wall time with the activations quantized apart.
     [[ ${PICK_TESTS:-0} != 0 ]] && opt_in_tests
-    timeout "$(cap 120)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
-        --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\\|Warning" | tail -45
+    if [[ ${PICK_PROFILE:-1} != 0 ]]; then
+        timeout "$(cap 120)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 \
+            --input-len 1024 --json "$OUT/decode-step-trt-8b.json" 2>&1 | grep -v "USDT\\|Warning" | tail -45
+    else  # PICK_PROFILE=0 (a short call): the defaults' step timed alone, as the variants are
+        trt_step ""
+    fi
     # PICK_VARIANTS: the step variants timed (a short call: fewer)
     for v in ${PICK_VARIANTS:-hnd hf1 hnd-hf1 tcompact}; do
         case $v in

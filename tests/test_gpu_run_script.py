@@ -163,6 +163,16 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     assert "trt-8b-2k-hnd-tcompact-swap8.json" in runs[2]
 
 
+def test_trt_pick_without_the_profile(tmp_path):
+    """PICK_PROFILE=0: the defaults' step timed alone (no profiler), written where the pick
+    reads the defaults' wall."""
+    calls = _dry_run(tmp_path, "trt-pick", PICK_PROFILE="0", PICK_VARIANTS="hnd tcompact")
+    steps = [c for c in calls if "decode_step_profile.py" in c]
+    assert len(steps) == 4 and all("--profile-steps 0" in c for c in steps), steps  # defaults, hnd, tcompact, q0
+    assert "out/decode-step-trt-8b.json" in steps[0] and "decode-step-trt-8b-hnd.json" in steps[1]
+    assert "tu=compact" in steps[2] and "decode-step-trt-8b-tcompact.json" in steps[2]
+
+
 def test_trt_pick_short_call(tmp_path):
     """PICK_VARIANTS narrows the step timings; a run that would not fit the call's budget
     is skipped rather than cut short."""
