@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--shapes", nargs="+", default=None, help="default: all (--fp8: the 8B ones)")
     ap.add_argument("--fp8", action="store_true", help="e4m3 weights, one scale a row")
+    ap.add_argument("--no-sweep", action="store_true", help="the default launch setting alone (a short call)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev, dtype = "cuda", torch.bfloat16
@@ -84,7 +85,7 @@ def main() -> None:
             default = skinny_gemm.launch_config(m, n, k, fp8=args.fp8)
             configs = {default}
             mb = default[0]
-            for bn in SWEEP_BN:
+            for bn in () if args.no_sweep else SWEEP_BN:
                 for bk in SWEEP_BK:
                     if mb * bn * bk <= 16384:
                         configs.add((mb, bn, bk, 4 if mb * bn * bk <= 4096 else 8))
