@@ -366,10 +366,12 @@ class Fp8Method(WeightMethod):
         products of up to FP8_MAX_ROWS rows: per-row scales, a 16-bit model and a probe row
         that compiles and agrees with the dequantized weight (else torch._scaled_mm keeps
         them, with a log line)."""
+        if skinny_gemm.FP8_MAX_ROWS < 1:
+            return False
         weight, scale = layer.weight.data, layer.weight_scale.data
         x = torch.randn(1, layer.in_features, device=weight.device,
                         generator=torch.Generator(device=weight.device).manual_seed(1)).to(self.dtype)
-        if skinny_gemm.FP8_MAX_ROWS < 1 or not skinny_gemm.applies_fp8(x, weight, scale):
+        if not skinny_gemm.applies_fp8(x, weight, scale):
             return False
         rows = min(layer.out_features, 256)
         try:
