@@ -556,3 +556,47 @@ def test_batch_one_decode_with_the_weight_only_kernel(float_model, tmp_path, mon
         n = next((i for i, (a, b) in enumerate(zip(ta, tb, strict=True)) if a != b), len(ta))
         for a, b in zip(la[:n], lb[:n], strict=True):
             assert abs(a - b) < 0.05
+
+
+def test_weight_only_kernel_in_the_engine_interpreted():
+    """The few-row kernel's place in the engine, on the CPU: in Triton's interpreter (a
+    fresh process) the test below runs it for every product of a float32 FP8 model."""
+    pytest.importorskip("triton")
+    from interpreted import run_interpreted
+
+    res = run_interpreted(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fp8.py",
+                           "-k", "every_product_through_the_kernel"], 900)
+    assert res.returncode == 0 and "1 passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def test_every_product_through_the_kernel(float_model, tmp_path, monkeypatch):
+    """With the kernel taking every FP8 product (the row limit raised past a prompt, the
+    device check lifted for the interpreter), the engine multiplies the fp8 weights as they
+    are, times their scales: greedy tokens and logprobs equal HF on the dequantized float32
+    twin (1e-4, as the dequantizing path), the probe at load accepted it for every layer,
+    and no layer hands its norm's output over quantized."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("runs in Triton's interpreter (test_weight_only_kernel_in_the_engine_interpreted)")
+    from pagedllm.model_executor.layers import skinny_gemm
+
+    monkeypatch.setattr(Fp8Method, "_why_not_fp8", lambda self, layer: None)  # keep the fp8 weights
+    monkeypatch.setattr(Fp8Method, "_probe", lambda self, layer: None)  # (no CPU _scaled_mm needed)
+    monkeypatch.setattr(skinny_gemm, "FP8_MAX_ROWS", 4096)
+    monkeypatch.setattr(skinny_gemm, "applies_fp8", lambda x, w, s: w.dtype == torch.float8_e4m3fn
+                        and s.numel() == w.shape[0] and x.numel() // x.shape[-1] <= skinny_gemm.FP8_MAX_ROWS)
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **k: calls.append(k.get("scale") is not None)
+                        or real(*a, **k))
+    _, hf = float_model
+    ref = reference_model(hf, write_fp8_checkpoint(hf, str(tmp_path), FP8Spec("compressed-tensors", "channel")))
+    llm = LLM(model=str(tmp_path), dtype="float32", **KW)
+    layers = _fp8_layers(llm.engine.executor.model)
+    assert layers and all(m.method.fp8_matmul and m.method.skinny and m.weight.dtype == torch.float8_e4m3fn
+                          for m in layers)
+    assert not any(m.takes_fp8_rows(n) for m in layers for n in (1, 64))
+    calls.clear()
+    assert_parity(llm, ref, prompts(2, seed=7), max_new=4)
+    assert calls and all(calls)
