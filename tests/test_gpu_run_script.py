@@ -141,7 +141,7 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     for tag, wall in (("", 26.0), ("-hnd", 24.0), ("-hf1", 25.0), ("-hnd-hf1", 24.5)):
         (out / f"decode-step-trt-8b{tag}.json").write_text(json.dumps({"decode": {"wall_ms": wall}}))
     calls = _dry_run(tmp_path, "trt-pick")
-    assert sum("decode_step_profile.py" in c for c in calls) == 6
+    assert sum("decode_step_profile.py" in c for c in calls) == 7  # profile, 4 variants, again, q0
     runs = [c for c in calls if "bench throughput" in c]
     assert len(runs) == 3 and all("--num-prompts 512" in r for r in runs), runs
     assert "kvl=unset" in runs[0] and "out/trt-8b-2k.json" in runs[0] and "--swap-space" not in runs[0]
@@ -161,6 +161,12 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     assert len(runs) == 3 and "trt-8b-2k-hnd-tcompact.json" in runs[1] and "kvl=hnd" in runs[1], runs
     assert "tu=compact" in runs[1] and "tu=unset" in runs[0]
     assert "trt-8b-2k-hnd-tcompact-swap8.json" in runs[2]
+    # the defaults timed again after the variants, faster than any: no variant is picked
+    (out / "decode-step-trt-8b-again.json").write_text(json.dumps({"decode": {"wall_ms": 23.0}}))
+    calls = _dry_run(tmp_path / "drift", "trt-pick", OUT=str(out))
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2 and "out/trt-8b-2k.json" in runs[0] and "trt-8b-2k-swap8.json" in runs[1], runs
+    assert "kvl=unset" in runs[1] and "tu=unset" in runs[1]
 
 
 def test_trt_pick_without_the_profile(tmp_path):
@@ -168,15 +174,16 @@ def test_trt_pick_without_the_profile(tmp_path):
     reads the defaults' wall."""
     calls = _dry_run(tmp_path, "trt-pick", PICK_PROFILE="0", PICK_VARIANTS="hnd tcompact")
     steps = [c for c in calls if "decode_step_profile.py" in c]
-    assert len(steps) == 4 and all("--profile-steps 0" in c for c in steps), steps  # defaults, hnd, tcompact, q0
+    assert len(steps) == 5 and all("--profile-steps 0" in c for c in steps), steps  # defaults, hnd, tcompact, again, q0
     assert "out/decode-step-trt-8b.json" in steps[0] and "decode-step-trt-8b-hnd.json" in steps[1]
     assert "tu=compact" in steps[2] and "decode-step-trt-8b-tcompact.json" in steps[2]
+    assert "decode-step-trt-8b-again.json" in steps[3] and "kvl=unset" in steps[3] and "tu=unset" in steps[3]
 
 
 def test_trt_pick_short_call(tmp_path):
     """PICK_VARIANTS narrows the step timings; a run that would not fit the call's budget
     is skipped rather than cut short."""
     calls = _dry_run(tmp_path, "trt-pick", PICK_VARIANTS="hnd")
-    assert sum("decode_step_profile.py" in c for c in calls) == 3  # profile, hnd, q0
+    assert sum("decode_step_profile.py" in c for c in calls) == 4  # profile, hnd, again, q0
     calls = _dry_run(tmp_path / "short", "trt-pick", BUDGET_S="60")
     assert not [c for c in calls if "bench throughput" in c]
