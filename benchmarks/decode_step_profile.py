@@ -153,15 +153,22 @@ def main() -> None:
         engine.step()
     sync()
     first = len(steps)
+    graphs = getattr(getattr(engine.executor, "runner", None), "graphs", None)
+    replays0 = graphs.replays if graphs is not None else 0
     t0 = time.perf_counter()
     for _ in range(args.decode_steps):
         engine.step()
     sync()
     wall = (time.perf_counter() - t0) * 1e3 / args.decode_steps
+    # how many of the timed steps replayed a CUDA graph (the rest ran eagerly: a step that
+    # did not fit a captured graph, or graphs off), so a slow figure says why
+    replayed = graphs.replays - replays0 if graphs is not None else 0
     ctx = args.input_len + (first + args.decode_steps // 2 - len(pre))  # about, mid-way
     print(f"decode: {steps[first][1]} sequences at about {ctx} keys: {wall:.2f} ms/step "
-          f"({steps[first][1] / wall * 1e3:,.0f} output tok/s)")
-    result["decode"] = {"sequences": steps[first][1], "context": ctx, "wall_ms": wall}
+          f"({steps[first][1] / wall * 1e3:,.0f} output tok/s), {replayed} of {args.decode_steps} steps "
+          f"replayed CUDA graphs")
+    result["decode"] = {"sequences": steps[first][1], "context": ctx, "wall_ms": wall,
+                        "graph_replays": replayed, "steps": args.decode_steps}
     if args.profile_steps:
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()

@@ -75,6 +75,7 @@ def test_the_split_set_replays_for_a_long_context_among_short_ones_interpreted(t
     got = llm.generate(_prompts(), params)
     assert_same_greedy(want, got)
     assert graphs.long_replays > 0  # the 400-token prompt's decodes beside five short ones
+    assert graphs.replays == graphs.long_replays  # (replays counts either set: every decode step had it)
     # those replays split every sequence's keys over MAX_KV_SPLITS, where the batch alone
     # (8 graph rows, 2 KV heads on the interpreter's 8 "SMs") would split them in two
     assert triton_backend.MAX_KV_SPLITS in splits and triton_backend.kv_splits(8, 2, runner.device) < 16

@@ -267,6 +267,7 @@ class DecodeGraphs(_StepGraphs):
                 logger.warning("decode graphs for a long context among short ones were not captured; "
                                "such steps replay the ordinary decode graphs", exc_info=True)
         self.long_replays = 0  # steps the long set served (the tests check that some were)
+        self.replays = 0  # steps either set served (benchmarks tell replayed steps from eager ones)
         if lora is not None:
             lora.active = False
 
@@ -298,6 +299,7 @@ class DecodeGraphs(_StepGraphs):
             before_replay(self.inputs.field("ids", n))
         if self.lora is not None:
             self.lora.set(arrays["lora_slots"], size)
+        self.replays += 1
         if self.long_graphs and long_decode(arrays["ctx_len"]):
             self.long_replays += 1
             self.long_graphs[size].replay()
