@@ -59,31 +59,35 @@ FP8_MAX_ROWS = int(os.environ.get("PAGEDLLM_SKINNY_FP8_MAX_ROWS", 0))
 FP8 = torch.float8_e4m3fn
 
 
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The rows of a product the kernel can lay out (0: none): a CUDA bf16/fp16 input, a 2-D
+    weight, unit stride along K on both sides, K and the weight's row stride whole 16-byte
+    runs of the weight's elements."""
+    if triton is None or not x.is_cuda or x.dtype not in _DTYPES or weight.dim() != 2:
+        return 0
+    k, align = x.shape[-1], 16 // weight.element_size()
+    if not k or weight.stride(1) != 1 or x.stride(-1) != 1 or k % align or weight.stride(0) % align:
+        return 0
+    return x.numel() // k
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `skinny_linear` takes this product: a CUDA input in the weight's 16-bit
-    dtype of one row (or up to MAX_ROWS for a small weight), unit stride along K on both
-    sides, K and the weight's row stride multiples of 8 (16-byte rows)."""
-    if triton is None or not x.is_cuda or x.dtype not in _DTYPES or weight.dtype != x.dtype:
+    dtype of one row (or up to MAX_ROWS for a small weight), laid out as _rows says (K and
+    the weight's row stride multiples of 8)."""
+    if weight.dtype != x.dtype:
         return False
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    limit = MAX_ROWS
-    if limit < 1 or rows < 1 or (rows > 1 and (rows > limit or weight.numel() > SMALL_WEIGHT)):
-        return False
-    return (weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1 and k % 8 == 0
-            and weight.stride(0) % 8 == 0)
+    rows = _rows(x, weight)
+    return MAX_ROWS >= 1 and rows >= 1 and (rows == 1 or (rows <= MAX_ROWS and weight.numel() <= SMALL_WEIGHT))
 
 
 def applies_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `skinny_linear` takes this FP8 product: a CUDA bf16/fp16 input of at most
-    FP8_MAX_ROWS rows, an e4m3 weight with one scale a row (scale [N, 1]), unit stride
-    along K on both sides, K and the weight's row stride multiples of 16 (16-byte rows)."""
-    if triton is None or not x.is_cuda or x.dtype not in _DTYPES or weight.dtype != FP8:
+    FP8_MAX_ROWS rows, an e4m3 weight with one scale a row (scale [N, 1]), laid out as
+    _rows says (K and the weight's row stride multiples of 16)."""
+    if weight.dtype != FP8 or scale.numel() != weight.shape[0]:
         return False
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    return (1 <= rows <= FP8_MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1 and x.stride(-1) == 1
-            and k % 16 == 0 and weight.stride(0) % 16 == 0 and scale.numel() == weight.shape[0])
+    return 1 <= _rows(x, weight) <= FP8_MAX_ROWS
 
 
 def launch_config(m: int, n: int, k: int, fp8: bool = False) -> tuple[int, int, int, int]:

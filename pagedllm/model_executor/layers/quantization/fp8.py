@@ -345,20 +345,29 @@ class Fp8Method(WeightMethod):
     def _probe(self, layer: LinearBase) -> str | None:
         """One FP8 product at load for 1 and 17 rows (decode and an odd prefill), compared
         with the dequantized weight's on up to 256 output rows. None when it agrees."""
+        return self._off_dequantized(layer, "torch._scaled_mm", (1, 17),
+                                     lambda x: scaled_mm(x, layer.weight.data, layer.weight_scale.data, self.k_block),
+                                     (RuntimeError, NotImplementedError, ValueError))
+
+    def _off_dequantized(self, layer: LinearBase, what: str, row_counts: tuple[int, ...], product,
+                         errors: tuple[type[BaseException], ...]) -> str | None:
+        """Why `product` (x -> x @ W.T) is not this layer's product (None: it is): it raised
+        one of `errors`, or at some row count it was PROBE_TOLERANCE or more off the
+        dequantized weight's product on up to 256 output rows."""
         weight, scale = layer.weight.data, layer.weight_scale.data
         rows = min(layer.out_features, 256)
         reference = dequantize(weight[:rows], scale[:rows], self.k_block, torch.float32)
         generator = torch.Generator(device=weight.device).manual_seed(0)
-        for m in (1, 17):
+        for m in row_counts:
             x = torch.randn(m, layer.in_features, generator=generator, device=weight.device).to(self.dtype)
             try:
-                got = scaled_mm(x, weight, scale, self.k_block)[:, :rows].float()
-            except (RuntimeError, NotImplementedError, ValueError) as e:
-                return f"torch._scaled_mm refused the layer ({str(e).splitlines()[0]})"
+                got = product(x)[:, :rows].float()
+            except errors as e:
+                return f"{what} refused the layer ({str(e).splitlines()[0]})"
             want = x.float() @ reference.T
             err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
             if not err < PROBE_TOLERANCE:
-                return f"torch._scaled_mm was {err:.0%} off the dequantized product ({m} rows)"
+                return f"{what} was {err:.0%} off the dequantized product ({m} rows)"
         return None
 
     def _probe_skinny(self, layer: LinearBase) -> bool:
@@ -369,24 +378,16 @@ class Fp8Method(WeightMethod):
         if skinny_gemm.FP8_MAX_ROWS < 1:
             return False
         weight, scale = layer.weight.data, layer.weight_scale.data
-        x = torch.randn(1, layer.in_features, device=weight.device,
-                        generator=torch.Generator(device=weight.device).manual_seed(1)).to(self.dtype)
-        if not skinny_gemm.applies_fp8(x, weight, scale):
+        if not skinny_gemm.applies_fp8(torch.empty(1, layer.in_features, dtype=self.dtype, device=weight.device),
+                                       weight, scale):
             return False
-        rows = min(layer.out_features, 256)
-        try:
-            got = skinny_gemm.skinny_linear(x, weight, scale=scale.reshape(-1))[:, :rows].float()
-        except Exception as e:  # noqa: BLE001 - a kernel that does not build here leaves _scaled_mm
-            _log_once(logging.WARNING, f"FP8 few-row kernel unavailable ({str(e).splitlines()[0]}): "
-                                       "torch._scaled_mm takes every FP8 product")
-            return False
-        want = x.float() @ dequantize(weight[:rows], scale[:rows], self.k_block, torch.float32).T
-        err = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
-        if not err < PROBE_TOLERANCE:
-            _log_once(logging.WARNING, f"FP8 few-row kernel was {err:.0%} off the dequantized product: "
-                                       "torch._scaled_mm takes every FP8 product")
-            return False
-        return True
+        # any exception: a kernel that does not build here leaves the products to _scaled_mm
+        reason = self._off_dequantized(layer, "the FP8 few-row kernel", (1,),
+                                       lambda x: skinny_gemm.skinny_linear(x, weight, scale=scale.reshape(-1)),
+                                       (Exception,))
+        if reason is not None:
+            _log_once(logging.WARNING, f"{reason}: torch._scaled_mm takes every FP8 product")
+        return reason is None
 
     def _become_dense(self, layer: LinearBase) -> None:
         """Every shard came as a float `.weight`: the checkpoint left this layer
