@@ -363,14 +363,16 @@ trt-pick)
         trt_step ""
     fi
     # PICK_VARIANTS: the step variants timed (a short call: fewer)
-    for v in ${PICK_VARIANTS:-hnd hf1 hnd-hf1 tcompact}; do
+    for v in ${PICK_VARIANTS:-hnd hf1 hnd-hf1 tcompact fa1}; do
         case $v in
         hnd) trt_step hnd PAGEDLLM_KV_LAYOUT=hnd ;;
         hf1) trt_step hf1 PAGEDLLM_DECODE_HEADS_FIRST=1 ;;
         hnd-hf1) trt_step hnd-hf1 PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1 ;;
         tcompact) trt_step tcompact PAGEDLLM_GRAPH_TABLE_UPLOAD=compact ;;
+        fa1) trt_step fa1 PAGEDLLM_FP8_FAST_ACCUM=1 ;;
         esac
     done
+    # (fa1: the FP8 products in fast-accumulation mode)
     # the defaults' step again after the variants (PICK_AGAIN=0 skips it): a variant must
     # beat the faster of the two, so a card that drifts mid-call does not pick for it
     [[ ${PICK_AGAIN:-1} != 0 ]] && trt_step again
@@ -378,9 +380,10 @@ trt-pick)
 import json, os, sys
 env = {"": "", "hnd": "PAGEDLLM_KV_LAYOUT=hnd", "hf1": "PAGEDLLM_DECODE_HEADS_FIRST=1",
        "hnd-hf1": "PAGEDLLM_KV_LAYOUT=hnd PAGEDLLM_DECODE_HEADS_FIRST=1"}
-compact = "PAGEDLLM_GRAPH_TABLE_UPLOAD=compact"
+# apart from the attention variants, each added to the pick where its step beat the defaults'
+additive = {"tcompact": "PAGEDLLM_GRAPH_TABLE_UPLOAD=compact", "fa1": "PAGEDLLM_FP8_FAST_ACCUM=1"}
 walls = {}
-for tag in [*env, "tcompact", "again"]:
+for tag in [*env, *additive, "again"]:
     path = os.path.join(sys.argv[1], f"decode-step-trt-8b{'-' + tag if tag else ''}.json")
     try:
         walls[tag] = json.load(open(path))["decode"]["wall_ms"]
@@ -393,9 +396,10 @@ if "" not in walls:
 walls[""] = min(walls[""], walls.pop("again", walls[""]))
 best = min((t for t in env if t in walls), key=walls.get)
 tags, envs = [best] if best else [], [env[best]] if best else []
-if walls.get("tcompact", walls[""]) < walls[""]:  # the upload is apart from the attention variant
-    tags.append("tcompact")
-    envs.append(compact)
+for tag, setting in additive.items():
+    if walls.get(tag, walls[""]) < walls[""]:
+        tags.append(tag)
+        envs.append(setting)
 print(f"{'-'.join(tags)}|{' '.join(envs)}")
 PICK
 )

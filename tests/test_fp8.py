@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -375,6 +378,32 @@ def test_scaled_mm_path_on_cpu(monkeypatch, spec):
 
 
 @pytest.mark.skipif(not _cpu_scaled_mm(), reason="this PyTorch has no CPU torch._scaled_mm")
+def test_fast_accumulation_is_passed_to_scaled_mm(monkeypatch):
+    """PAGEDLLM_FP8_FAST_ACCUM (read at start-up into FAST_ACCUM) reaches every row-wise
+    product as use_fast_accum, and the product stays the layer's."""
+    monkeypatch.setattr(Fp8Method, "_why_not_fp8", lambda self, layer: None)
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    for fast in (True, False):
+        monkeypatch.setattr(fp8_method, "FAST_ACCUM", fast)
+        seen.clear()
+        layer, w = _bf16_layer(FP8Spec("compressed-tensors", "channel"), {"q": 128, "k": 32, "v": 32}, 256)
+        _assert_fp8_product(layer, w)
+        assert seen and set(seen) == {fast}
+    code = "from pagedllm.model_executor.layers.quantization import fp8; print(fp8.FAST_ACCUM)"
+    for value, want in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "PAGEDLLM_FP8_FAST_ACCUM": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == want, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _cpu_scaled_mm(), reason="this PyTorch has no CPU torch._scaled_mm")
 def test_refused_scaled_mm_falls_back_to_dequantized_weights(monkeypatch, caplog):
     """Block scales: the CPU torch._scaled_mm has no 128-block recipe, so the probe at load
     fails and the layer is dequantized, with a warning, instead of failing in a forward."""
@@ -453,6 +482,26 @@ def _block_scaled_mm_runs() -> bool:
     except (RuntimeError, NotImplementedError, ValueError):
         return False
     return True
+
+
+@pytest.mark.gpu
+def test_fast_accumulation_on_cuda(monkeypatch):
+    """The fast-accumulation mode on the trt decode's widest input (K = 14,336, 512 rows):
+    within the per-token e4m3 error of the dequantized product, and adding at most a
+    small share to the promoted product's error (what decides whether it may be on)."""
+    if not _fp8_gpu():
+        pytest.skip("needs compute capability 8.9 or newer")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(4096, 14336, device="cuda", generator=g) * 0.02
+    q, scale = fp8_method.quantize_rows(w)
+    x = torch.randn(512, 14336, device="cuda", generator=g).to(torch.bfloat16)
+    want = x.float() @ fp8_method.dequantize(q, scale, 14336, torch.float32).T
+    errs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(fp8_method, "FAST_ACCUM", fast)
+        got = fp8_method.rowwise_mm(*fp8_method.quantize_tokens(x), q, scale).float()
+        errs[fast] = ((got - want).norm() / want.norm()).item()
+    assert 0 < errs[False] < 0.05 and errs[True] < errs[False] + 0.01, errs
 
 
 @pytest.mark.gpu
@@ -575,8 +624,6 @@ def test_every_product_through_the_kernel(float_model, tmp_path, monkeypatch):
     are, times their scales: greedy tokens and logprobs equal HF on the dequantized float32
     twin (1e-4, as the dequantizing path), the probe at load accepted it for every layer,
     and no layer hands its norm's output over quantized."""
-    import os
-
     if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
         pytest.skip("runs in Triton's interpreter (test_weight_only_kernel_in_the_engine_interpreted)")
     from pagedllm.model_executor.layers import skinny_gemm

@@ -4,6 +4,7 @@ stood in for by a stub that logs each call's switches and arguments instead of r
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,7 +27,7 @@ def _dry_run(tmp_path: Path, part: str, **env: str) -> list[str]:
                     'ragged=${PAGEDLLM_FLASHINFER_RAGGED-unset} fq=${PAGEDLLM_FP8_FUSED_QUANT-unset} '
                     'backend=${PAGEDLLM_ATTENTION_BACKEND-unset} kvl=${PAGEDLLM_KV_LAYOUT-unset} '
                     'hf=${PAGEDLLM_DECODE_HEADS_FIRST-unset} tu=${PAGEDLLM_GRAPH_TABLE_UPLOAD-unset} '
-                    'sk=${PAGEDLLM_SKINNY_FP8_MAX_ROWS-unset} $*" >> "$CALLS_LOG"\n'
+                    'sk=${PAGEDLLM_SKINNY_FP8_MAX_ROWS-unset} fa=${PAGEDLLM_FP8_FAST_ACCUM-unset} $*" >> "$CALLS_LOG"\n'
                     'cat > /dev/null  # a here-document, if any\n')
     stub.chmod(0o755)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALLS_LOG": str(log), "REAL_PYTHON": sys.executable,
@@ -134,14 +135,12 @@ def test_trt_pick_runs_the_defaults_and_the_fastest_variant(tmp_path):
     """trt-pick: the step timings per switch, then trt-8b-2k with the defaults, with the
     variant whose step was fastest (read from the step results; here laid out by the test)
     and with that one and a swap space."""
-    import json
-
     out = tmp_path / "out"
     out.mkdir()
     for tag, wall in (("", 26.0), ("-hnd", 24.0), ("-hf1", 25.0), ("-hnd-hf1", 24.5)):
         (out / f"decode-step-trt-8b{tag}.json").write_text(json.dumps({"decode": {"wall_ms": wall}}))
     calls = _dry_run(tmp_path, "trt-pick")
-    assert sum("decode_step_profile.py" in c for c in calls) == 7  # profile, 4 variants, again, q0
+    assert sum("decode_step_profile.py" in c for c in calls) == 8  # profile, 5 variants, again, q0
     runs = [c for c in calls if "bench throughput" in c]
     assert len(runs) == 3 and all("--num-prompts 512" in r for r in runs), runs
     assert "kvl=unset" in runs[0] and "out/trt-8b-2k.json" in runs[0] and "--swap-space" not in runs[0]
@@ -178,6 +177,27 @@ def test_trt_pick_without_the_profile(tmp_path):
     assert "out/decode-step-trt-8b.json" in steps[0] and "decode-step-trt-8b-hnd.json" in steps[1]
     assert "tu=compact" in steps[2] and "decode-step-trt-8b-tcompact.json" in steps[2]
     assert "decode-step-trt-8b-again.json" in steps[3] and "kvl=unset" in steps[3] and "tu=unset" in steps[3]
+
+
+def test_trt_pick_adds_fast_accumulation_where_its_step_was_faster(tmp_path):
+    """fa1 (the FP8 products in fast-accumulation mode) is timed as a variant of its own and,
+    like the compacted upload, added to the fastest layout / grid where it beat the
+    defaults (the faster of their two timings); not where it did not."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for tag, wall in (("", 24.0), ("-hnd", 30.0), ("-fa1", 23.0), ("-again", 24.2)):
+        (out / f"decode-step-trt-8b{tag}.json").write_text(json.dumps({"decode": {"wall_ms": wall}}))
+    calls = _dry_run(tmp_path / "a", "trt-pick", OUT=str(out), PICK_PROFILE="0", PICK_VARIANTS="hnd fa1")
+    steps = [c for c in calls if "decode_step_profile.py" in c]
+    assert "fa=1" in steps[2] and "decode-step-trt-8b-fa1.json" in steps[2] and "fa=unset" in steps[1], steps
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 3 and "fa=unset" in runs[0], runs
+    assert "fa=1 " in runs[1] and "kvl=unset" in runs[1] and "trt-8b-2k-fa1.json" in runs[1]
+    assert "fa=1 " in runs[2] and "trt-8b-2k-fa1-swap8.json" in runs[2]
+    (out / "decode-step-trt-8b-fa1.json").write_text(json.dumps({"decode": {"wall_ms": 24.1}}))
+    calls = _dry_run(tmp_path / "b", "trt-pick", OUT=str(out), PICK_PROFILE="0", PICK_VARIANTS="hnd fa1")
+    runs = [c for c in calls if "bench throughput" in c]
+    assert len(runs) == 2 and all("fa=unset" in r for r in runs), runs
 
 
 def test_trt_pick_short_call(tmp_path):

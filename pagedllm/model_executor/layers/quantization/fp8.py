@@ -87,6 +87,11 @@ ZERO_POINTS = ("weight_zero_point", "input_zero_point")
 # The layer before an FP8 product (RMSNorm, SiLU-and-mul) quantizes its output for it
 # (fp8_rows.py); off: each FP8 layer quantizes its own input.
 FUSED_QUANT = env_flag("PAGEDLLM_FP8_FUSED_QUANT", default=True)
+# PAGEDLLM_FP8_FAST_ACCUM=1: the row-wise products accumulate in the tensor cores' own
+# precision instead of being promoted to float32 along K (cuBLASLt's fast-accumulation
+# mode, torch._scaled_mm's use_fast_accum), as CUTLASS's FP8 "FastAccum" kernels that
+# serving engines run do. Read at start-up; a module attribute so tests can set it.
+FAST_ACCUM = env_flag("PAGEDLLM_FP8_FAST_ACCUM", default=False)
 
 
 try:  # CUDA only; Triton-less installs keep the torch form
@@ -147,8 +152,10 @@ def quantize_token_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, to
 
 def rowwise_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-token e4m3 activations xq [M, K] with float32 scales xs [M, 1] @ (fp8 weight
-    [N, K] * per-row scale [N, 1]).T -> bf16 [M, N]: torch._scaled_mm's row-wise recipe."""
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
+    [N, K] * per-row scale [N, 1]).T -> bf16 [M, N]: torch._scaled_mm's row-wise recipe
+    (with FAST_ACCUM, in fast-accumulation mode)."""
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16,
+                            use_fast_accum=FAST_ACCUM)
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k_block: int) -> torch.Tensor:
