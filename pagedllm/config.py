@@ -343,8 +343,10 @@ class EngineConfig:
             # Only the spelling is checked here; the checkpoint decides at load (a mismatch
             # between this and what the checkpoint says is an error then).
             self.quantization = self.quantization.lower()
-            if self.quantization not in ("gptq", "awq", "gguf", "fp8", "mxfp4"):
-                raise ValueError("quantization must be gptq|awq|gguf|fp8|mxfp4 or None (detect), "
+            if self.quantization not in ("gptq", "awq", "gguf", "fp8", "mxfp4", "modelopt", "fbgemm_fp8",
+                                         "compressed-tensors"):
+                raise ValueError("quantization must be gptq|awq|gguf|fp8|mxfp4 (or modelopt|fbgemm_fp8|"
+                                 "compressed-tensors: fp8 of that format) or None (detect), "
                                  f"got {self.quantization!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be generate|pooling (task: generate|embed), got "

@@ -349,7 +349,11 @@ class FP8Spec:
     128x128 block (a scalar with weight_block_size null, strategy "tensor"); fmt
     "fbgemm_fp8": `weight` + float32 `weight_scale` [out, 1]; fmt "autofp8" (AutoFP8, the
     older `quant_method: fp8` files): `weight` + a float32 scalar `weight_scale`, static
-    scalar `input_scale`s, no weight_block_size. In every one w = q * scale."""
+    scalar `input_scale`s, no weight_block_size; fmt "modelopt" (NVIDIA ModelOpt): `weight` +
+    float32 `weight_scale`, a scalar per tensor (quant_algo FP8, with a scalar
+    `input_scale`), [out] per channel (FP8_PER_CHANNEL_PER_TOKEN) or [out/128, 1, in/128, 1]
+    per block (FP8_PB_WO), described by an hf_quant_config.json beside config.json, or with
+    fmt "modelopt-config" in config.json's quantization_config. In every one w = q * scale."""
 
     fmt: str = "compressed-tensors"
     strategy: str = "channel"  # "tensor" | "channel" | "block"
@@ -357,8 +361,20 @@ class FP8Spec:
     static_input: bool = False  # compressed-tensors: calibrated input_scale tensors
     not_converted: tuple[str, ...] = ()  # modules left in float (ignore / modules_to_not_convert)
 
+    @property
+    def modelopt(self) -> bool:
+        return self.fmt.startswith("modelopt")
+
     def config(self, num_layers: int) -> dict:
         skipped = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(num_layers) for m in self.not_converted]
+        if self.modelopt:
+            algo = {"tensor": "FP8", "channel": "FP8_PER_CHANNEL_PER_TOKEN", "block": "FP8_PB_WO"}[self.strategy]
+            if self.fmt == "modelopt-config":
+                return {"quant_method": "modelopt", "quant_algo": algo, "ignore": skipped,
+                        "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}}
+            return {"producer": {"name": "modelopt", "version": "0.37.0"},
+                    "quantization": {"quant_algo": algo, "kv_cache_quant_algo": "FP8",
+                                     "exclude_modules": [m + "*" for m in skipped]}}
         if self.fmt == "fbgemm_fp8":
             return {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0, "modules_to_not_convert": skipped}
         if self.fmt == "autofp8":
@@ -403,16 +419,16 @@ def quantize_fp8(w: torch.Tensor, spec: FP8Spec, scale_dtype: torch.dtype) -> tu
     n, k = w.shape
     if spec.strategy == "tensor":
         q, grid = _fp8_blocks(w, n, k)
-        scale = grid.reshape(()) if spec.fmt in ("fp8", "autofp8") else grid.reshape(1)
+        scale = grid.reshape(()) if spec.fmt in ("fp8", "autofp8") or spec.modelopt else grid.reshape(1)
         expanded = grid.to(scale_dtype).float().reshape(1, 1)
     elif spec.strategy == "channel":
         q, grid = _fp8_blocks(w, 1, k)  # [out, 1]
-        scale = grid
+        scale = grid.reshape(n) if spec.modelopt else grid
         expanded = grid.to(scale_dtype).float()
     else:
         rows, cols = spec.block
         q, grid = _fp8_blocks(w, rows, cols)
-        scale = grid
+        scale = grid.reshape(grid.shape[0], 1, grid.shape[1], 1) if spec.modelopt else grid
         expanded = grid.to(scale_dtype).float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
     name = "weight_scale_inv" if spec.fmt == "fp8" else "weight_scale"
     return {"weight": q, name: scale.to(scale_dtype).contiguous()}, q.float() * expanded
@@ -435,17 +451,25 @@ def write_fp8_checkpoint(hf_model, path: str, spec: FP8Spec) -> dict[str, torch.
         if module in quantized and leaf == "weight":
             parts, deq = quantize_fp8(t.detach().float(), spec, scale_dtype)
             tensors.update({f"{module}.{k}": v for k, v in parts.items()})
-            if spec.static_input:
-                shape = () if spec.fmt == "autofp8" else (1,)
+            if spec.static_input or (spec.modelopt and spec.strategy == "tensor"):
+                shape = () if spec.fmt == "autofp8" or spec.modelopt else (1,)
                 tensors[f"{module}.input_scale"] = torch.full(shape, 0.05, dtype=scale_dtype)
             reference[name] = deq
         else:
             tensors[name] = t.detach().clone().contiguous()
             reference[name] = t.detach().clone()
+    if spec.modelopt:  # kv_cache_quant_algo FP8: per-layer KV scales on k_proj / v_proj
+        for i in range(layers):
+            tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.5)
+            tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.25)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     config = hf_model.config.to_dict()
-    config["quantization_config"] = spec.config(layers)
+    if spec.fmt == "modelopt":  # ModelOpt's own export: the side file, config.json unquantized
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump(spec.config(layers), f)
+    else:
+        config["quantization_config"] = spec.config(layers)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return reference

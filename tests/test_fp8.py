@@ -95,6 +95,14 @@ def _ct(**weights) -> dict:
     ({"quant_method": "fp8", "activation_scheme": "static"}, ("fp8", "tensor", None, False)),  # AutoFP8
     ({"quant_method": "fp8", "weight_block_size": None}, ("fp8", "tensor", None, False)),
     ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, ("fbgemm_fp8", "channel", None, False)),
+    # ModelOpt: hf_quant_config.json (no quant_method), and config.json's spelling
+    ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                                         "exclude_modules": ["lm_head"]}},
+     ("modelopt", "tensor", None, False)),
+    ({"quantization": {"quant_algo": "fp8_per_channel_per_token", "exclude_modules": ["model.layers.0.mlp*"]}},
+     ("modelopt", "channel", None, True)),
+    ({"quant_method": "modelopt", "quant_algo": "FP8_PB_WO", "ignore": ["lm_head*"]},
+     ("modelopt", "block", (128, 128), False)),
 ])
 def test_fp8_configs_are_detected(raw, expected):
     q = parse_quant_config(raw)
@@ -111,6 +119,9 @@ def test_fp8_configs_are_detected(raw, expected):
                               "b": _ct(strategy="tensor")["config_groups"]["group_0"]}}, "different weight scales"),
     ({"quant_method": "fp8", "modules_to_convert": ["model.embed_tokens"]}, "embeddings"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "config_groups"),
+    ({"quantization": {"quant_algo": "NVFP4", "exclude_modules": ["lm_head"]}}, "NVFP4"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, "not supported"),
+    ({"quant_method": "modelopt"}, "no quant_algo"),
 ])
 def test_unsupported_fp8_layouts_fail_loudly(raw, message):
     with pytest.raises(ValueError, match=message):
@@ -126,7 +137,8 @@ def _load(layer: LinearBase, tensors: dict[str, torch.Tensor], shard: str | None
 SPECS = [FP8Spec("compressed-tensors", "tensor"), FP8Spec("compressed-tensors", "channel"),
          FP8Spec("compressed-tensors", "block"), FP8Spec("compressed-tensors", "block", (1, 64)),
          FP8Spec("fp8", "block"), FP8Spec("fp8", "tensor"), FP8Spec("fbgemm_fp8", "channel"),
-         FP8Spec("autofp8", "tensor")]
+         FP8Spec("autofp8", "tensor"), FP8Spec("modelopt", "tensor"), FP8Spec("modelopt", "channel"),
+         FP8Spec("modelopt", "block")]
 
 
 def _quant(spec: FP8Spec) -> QuantConfig:
@@ -196,6 +208,8 @@ MODEL_SPECS = [
     FP8Spec("fp8", "tensor"),
     FP8Spec("fbgemm_fp8", "channel"),
     FP8Spec("autofp8", "tensor", static_input=True),
+    FP8Spec("modelopt", "tensor"),  # nvidia/*-FP8's layout: hf_quant_config.json, static input scales
+    FP8Spec("modelopt-config", "channel"),
 ]
 
 
@@ -273,6 +287,13 @@ def test_quantization_setting_must_agree_with_the_checkpoint(float_model, tmp_pa
     with pytest.raises(ValueError, match="quantized with 'fp8'"):
         LLM(model=str(tmp_path / "fp8"), quantization="awq", **KW)
     LLM(model=str(tmp_path / "fp8"), quantization="FP8", **KW)  # agrees: fine
+    # vLLM's names of the FP8 formats: accepted for a checkpoint of that format only
+    write_fp8_checkpoint(hf, str(tmp_path / "modelopt"), FP8Spec("modelopt", "tensor"))
+    LLM(model=str(tmp_path / "modelopt"), quantization="modelopt", **KW)
+    with pytest.raises(ValueError, match="modelopt FP8 checkpoint"):
+        LLM(model=str(tmp_path / "modelopt"), quantization="fbgemm_fp8", **KW)
+    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+        LLM(model=str(tmp_path / "gptq"), quantization="modelopt", **KW)
 
 
 # ---------------------------------------------------------------------------- tensor parallel

@@ -78,9 +78,12 @@ def test_the_engine_with_an_fp8_cache_stays_close_to_full_precision(tiny_models)
     assert sum(same_top) >= 0.8 * len(same_top), (sum(same_top), len(same_top))
 
 
-def test_kv_scales_come_from_the_checkpoint(tiny_models, tmp_path):
-    """compressed-tensors' kv_cache_scheme writes `self_attn.k_scale` / `v_scale` per layer:
-    they are loaded, and the pages hold k / k_scale."""
+@pytest.mark.parametrize("names", [("k_scale", "v_scale"), ("k_proj.k_scale", "v_proj.v_scale")],
+                         ids=["compressed-tensors", "modelopt"])
+def test_kv_scales_come_from_the_checkpoint(tiny_models, tmp_path, names):
+    """compressed-tensors' kv_cache_scheme writes `self_attn.k_scale` / `v_scale` per layer,
+    ModelOpt `self_attn.k_proj.k_scale` / `v_proj.v_scale`: they are loaded, and the pages
+    hold k / k_scale."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -90,8 +93,8 @@ def test_kv_scales_come_from_the_checkpoint(tiny_models, tmp_path):
     shutil.copytree(path, dst)
     weights = load_file(os.path.join(dst, "model.safetensors"))
     for layer in range(2):
-        weights[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.25)
-        weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(4.0)
+        weights[f"model.layers.{layer}.self_attn.{names[0]}"] = torch.tensor(0.25)
+        weights[f"model.layers.{layer}.self_attn.{names[1]}"] = torch.tensor(4.0)
     save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(model=str(dst), skip_tokenizer_init=True, block_size=16, num_kv_blocks=32,
               kv_cache_dtype="fp8", device="cpu")

@@ -163,6 +163,7 @@ def make_arg_parser(parser: argparse.ArgumentParser | None = None,
     m.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "half", "float",
                                        "bf16"], help=_default("dtype"))
     m.add_argument("--quantization", help="quantization method of the checkpoint: gptq|awq|gguf|fp8|mxfp4 "
+                   "(modelopt, fbgemm_fp8, compressed-tensors: fp8 of that format) "
                    "(default: detected); fp8 on a float checkpoint quantizes it at load")
     m.add_argument("--load-format", choices=["auto", "safetensors", "pt", "gguf", "dummy"],
                    help=_default("load_format"))

@@ -239,7 +239,9 @@ class Attention(nn.Module):
 # Fused checkpoint tensors (Phi-3): [q | k | v] rows and [gate | up] rows.
 _FUSED = re.compile(r"(.+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 # Per-layer fp8 KV-cache scales as checkpoints name them.
-_KV_SCALE = re.compile(r"(.+\.self_attn)\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale)$")
+# (ModelOpt writes k_proj.k_scale / v_proj.v_scale, its older exports *_proj.output_scale)
+_KV_SCALE = re.compile(r"(.+\.self_attn)\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale"
+                       r"|k_proj\.k_scale|v_proj\.v_scale)$")
 
 
 class MLP(nn.Module):
@@ -433,12 +435,12 @@ class LlamaForCausalLM(nn.Module):
                   and isinstance(head, ParallelLMHead)):
                 head.load_shard("weight", None, tensor)  # stands in until a head comes
             if (kv := _KV_SCALE.match(name)) and isinstance(modules.get(kv[1]), Attention):
-                # fp8 KV scales (compressed-tensors' kv_cache_scheme, older output_scale)
+                # fp8 KV scales (compressed-tensors' kv_cache_scheme, ModelOpt's, older output_scale)
                 value = float(read_block(tensor).float().reshape(-1)[0])
                 attn = modules[kv[1]]
-                if kv[2] in ("k_scale", "kv_scale", "k_proj.output_scale"):
+                if kv[2] in ("k_scale", "kv_scale", "k_proj.output_scale", "k_proj.k_scale"):
                     attn.k_scale = value
-                if kv[2] in ("v_scale", "kv_scale", "v_proj.output_scale"):
+                if kv[2] in ("v_scale", "kv_scale", "v_proj.output_scale", "v_proj.v_scale"):
                     attn.v_scale = value
                 continue
             target, shard = self._checkpoint_target(name)

@@ -22,6 +22,15 @@ FP8 (e4m3) checkpoints come in three published spellings, all method "fp8" here:
   way) the scale is one per tensor, named `weight_scale` or `weight_scale_inv`.
 - transformers fbgemm_fp8: `{"quant_method": "fbgemm_fp8"}`; `weight` and `weight_scale`
   [out, 1] float32.
+- NVIDIA ModelOpt (TensorRT Model Optimizer; nvidia/*-FP8 checkpoints): a side file
+  `hf_quant_config.json` `{"producer": {"name": "modelopt"}, "quantization": {"quant_algo":
+  "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}`, or the same in
+  config.json as `{"quant_method": "modelopt", "quant_algo": "FP8", "ignore": [...]}`.
+  quant_algo FP8: `weight` + a float32 scalar `weight_scale` per tensor (and a static
+  `input_scale`); FP8_PER_CHANNEL_PER_TOKEN: `weight_scale` [out]; FP8_PB_WO: 128x128
+  blocks, `weight_scale` [out/128, 1, in/128, 1]. Exclusions are wildcards (fnmatch).
+  Its fp8 KV scales are `self_attn.k_proj.k_scale` / `v_proj.v_scale` (the model reads
+  those).
 MXFP4 (gpt-oss): `{"quant_method": "mxfp4"}` quantizes the MoE experts only: tensors
 `*_blocks` (uint8, two e2m1 values a byte, 32 values a block) and `*_scales` (uint8 e8m0
 exponents, bias 127). The model reads them itself (models/gpt_oss.py) and its linear layers
@@ -33,6 +42,7 @@ time, which is at least as fine as one calibrated scale per tensor.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -41,10 +51,13 @@ from dataclasses import dataclass
 # Values accepted for EngineConfig.quantization ("gguf" names the GGUF loader: dequantized at
 # load, or Q4_0/Q8_0 linear layers kept packed on CUDA, see loader/gguf_file.py).
 METHODS = ("gptq", "awq", "gguf", "fp8", "mxfp4")
-_SIDE_FILES = ("quantize_config.json", "quant_config.json")
+# Also accepted for an FP8 checkpoint of that format (the names vLLM's --quantization takes);
+# the method is "fp8" all the same.
+FP8_SPELLINGS = ("modelopt", "fbgemm_fp8", "compressed-tensors")
+_SIDE_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 # checkpoint_format of an FP8 QuantConfig: where its tensors come from ("float": a float
 # checkpoint that quantization="fp8" quantizes at load, per output channel).
-FP8_FORMATS = ("compressed-tensors", "fp8", "fbgemm_fp8", "float")
+FP8_FORMATS = ("compressed-tensors", "fp8", "fbgemm_fp8", "modelopt", "float")
 FP8_STRATEGIES = ("tensor", "channel", "block")
 
 
@@ -156,6 +169,8 @@ def parse_quant_config(raw: dict) -> QuantConfig:
     """A QuantConfig from any of the published spellings; unsupported layouts fail loudly."""
     method = raw.get("quant_method") or raw.get("method") or ""
     method = str(getattr(method, "value", method)).lower()  # transformers' enum or a string
+    if method.startswith("modelopt") or (not method and isinstance(raw.get("quantization"), dict)):
+        return _parse_modelopt(raw)  # (hf_quant_config.json names no method: its producer is ModelOpt)
     if not method:
         # AutoGPTQ's quantize_config.json has no quant_method; AutoAWQ's files use w_bit.
         method = "awq" if ("w_bit" in raw or "zero_point" in raw or "version" in raw) else "gptq"
@@ -181,7 +196,7 @@ def parse_quant_config(raw: dict) -> QuantConfig:
             raise ValueError("AWQ without zero points is not supported")
         return QuantConfig("awq", bits, group_size, "awq" if version == "gemm" else "awq_gemv")
     raise ValueError(f"quantization method {method!r} is not supported (gptq, awq, fp8, "
-                     "fbgemm_fp8, compressed-tensors FP8 and mxfp4 are)")
+                     "fbgemm_fp8, compressed-tensors FP8, ModelOpt FP8 and mxfp4 are)")
 
 
 def _parse_fp8(method: str, raw: dict) -> QuantConfig:
@@ -200,6 +215,31 @@ def _parse_fp8(method: str, raw: dict) -> QuantConfig:
         return QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="tensor")
     return QuantConfig("fp8", 8, checkpoint_format="fp8", strategy="block",
                        block_size=(int(block[0]), int(block[1])))
+
+
+# ModelOpt's FP8 algorithms: the weight scales each one stores
+_MODELOPT_FP8 = {"FP8": ("tensor", None), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", None),
+                 "FP8_PB_WO": ("block", (128, 128))}
+
+
+def _parse_modelopt(raw: dict) -> QuantConfig:
+    """ModelOpt's FP8 checkpoints, from hf_quant_config.json (`quantization` holds the
+    algorithm) or from config.json (the algorithm at the top, `ignore` for the exclusions).
+    Its other algorithms (NVFP4, MXFP8, INT8/INT4 AWQ, mixed precision) fail loudly."""
+    inner = raw["quantization"] if isinstance(raw.get("quantization"), dict) else raw
+    algo = str(inner.get("quant_algo") or "").upper()
+    if not algo:
+        raise ValueError("ModelOpt quantization config has no quant_algo")
+    if algo not in _MODELOPT_FP8:
+        raise ValueError(f"ModelOpt quant_algo {algo!r} is not supported ({', '.join(_MODELOPT_FP8)} are)")
+    strategy, block = _MODELOPT_FP8[algo]
+    excluded = inner.get("exclude_modules", inner.get("ignore")) or []
+    if not isinstance(excluded, list):
+        raise ValueError(f"ModelOpt exclude_modules must be a list, got {type(excluded).__name__}")
+    head_excluded = any(fnmatch.fnmatchcase("lm_head", p) or p.rstrip("*").rstrip(".") == "lm_head"
+                        for p in map(str, excluded))
+    return QuantConfig("fp8", 8, checkpoint_format="modelopt", strategy=strategy, block_size=block,
+                       lm_head=not head_excluded)
 
 
 def _ignored(module: str, patterns: list[str]) -> bool:
@@ -264,8 +304,12 @@ def resolve_quant_config(requested: str | None, kind: str, load_format: str, mod
     would mean the user's other assumptions (kernels, memory) are wrong too.
     """
     requested = requested.lower() if requested else None
+    fp8_format = None
+    if requested in FP8_SPELLINGS:  # vLLM's names of FP8 checkpoint formats: "fp8", of that format
+        requested, fp8_format = "fp8", requested
     if requested is not None and requested not in METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(METHODS)} or None, got {requested!r}")
+        raise ValueError(f"quantization must be one of {', '.join(METHODS + FP8_SPELLINGS)} or None, "
+                         f"got {requested!r}")
     if kind == "gguf":
         if requested not in (None, "gguf"):
             raise ValueError(f"quantization={requested!r} given, but the model is a GGUF file "
@@ -285,4 +329,7 @@ def resolve_quant_config(requested: str | None, kind: str, load_format: str, mod
     if detected.method != requested:
         raise ValueError(f"quantization={requested!r} given, but the checkpoint is quantized "
                          f"with {detected.method!r}")
+    if fp8_format is not None and detected.checkpoint_format != fp8_format:
+        raise ValueError(f"quantization={fp8_format!r} given, but the checkpoint is a "
+                         f"{detected.checkpoint_format} FP8 checkpoint")
     return detected

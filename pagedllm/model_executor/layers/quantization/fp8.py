@@ -282,6 +282,9 @@ class Fp8Method(WeightMethod):
             block = read_block(tensor, slice(src, src + rows)).float().reshape(rows, 1)
         else:
             block_rows, block_cols = quant.block_size
+            shape = shape_of(tensor)
+            if len(shape) == 4 and shape[1] == shape[3] == 1:  # ModelOpt's [out blocks, 1, in blocks, 1]
+                tensor = read_block(tensor).reshape(shape[0], shape[2])
             check_shape(what, tensor, (math.ceil(full / block_rows), math.ceil(layout.full_in / block_cols)))
             r0 = src // block_rows
             c0 = layout.in_start // block_cols
