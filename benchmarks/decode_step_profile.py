@@ -155,11 +155,17 @@ def main() -> None:
     first = len(steps)
     graphs = getattr(getattr(engine.executor, "runner", None), "graphs", None)
     replays0 = graphs.replays if graphs is not None else 0
+    if graphs is not None and cuda:
+        graphs.timing = []  # the device's time inside each replay, apart from the host's
     t0 = time.perf_counter()
     for _ in range(args.decode_steps):
         engine.step()
     sync()
     wall = (time.perf_counter() - t0) * 1e3 / args.decode_steps
+    device_ms = None
+    if graphs is not None and graphs.timing:
+        device_ms = sum(a.elapsed_time(b) for a, b in graphs.timing) / len(graphs.timing)
+        graphs.timing = None
     # how many of the timed steps replayed a CUDA graph (the rest ran eagerly: a step that
     # did not fit a captured graph, or graphs off), so a slow figure says why
     replayed = graphs.replays - replays0 if graphs is not None else 0
@@ -167,8 +173,11 @@ def main() -> None:
     print(f"decode: {steps[first][1]} sequences at about {ctx} keys: {wall:.2f} ms/step "
           f"({steps[first][1] / wall * 1e3:,.0f} output tok/s), {replayed} of {args.decode_steps} steps "
           f"replayed CUDA graphs")
+    if device_ms is not None:  # the device's time in the replays against the wall: the rest is the host's
+        print(f"  the device ran {device_ms:.2f} ms of each replayed step ({wall - device_ms:.2f} ms/step "
+              f"without device work: the host's share)")
     result["decode"] = {"sequences": steps[first][1], "context": ctx, "wall_ms": wall,
-                        "graph_replays": replayed, "steps": args.decode_steps}
+                        "graph_replays": replayed, "steps": args.decode_steps, "device_ms": device_ms}
     if args.profile_steps:
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()

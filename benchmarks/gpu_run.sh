@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-b1|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-b1|fp8-fast|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -16,6 +16,7 @@
 #   timings per switch, then trt-8b-2k with the defaults and with the fastest (PICK_TESTS=1:
 #   the opt-in pieces' GPU tests first);
 # fp8-b1: FP8 weights at one sequence, the few-row weight-only kernel on and off, bf16 beside;
+# fp8-fast: FP8 fast accumulation promoted vs fast on trt-8b-2k (same call), the step with its device time
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
 #   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
 #   the fused sampler off / on; TRT_ATTN=1: an fp8 decode attention sweep);
@@ -67,12 +68,33 @@ moe_b1() {  # gpu-moe at batch 1 (128 in / 256 out, median of 3) per value of a 
     done
     summary "$OUT"/gpu-moe-b1-"$tag"*.json
 }
+b1_runs() {  # b1_runs Q...: one request (128 in, B1_OUT out, default 512) on the Llama-3.1-8B
+    # shape per Q: bf16; fp8 with the few-row kernel (PAGEDLLM_SKINNY_FP8_MAX_ROWS=1); fp8-noskinny (=0)
+    local q flags envs
+    for q in "$@"; do
+        flags=() envs=()
+        [[ $q != bf16 ]] && flags+=(--quantization fp8)
+        [[ $q == fp8 ]] && envs+=(PAGEDLLM_SKINNY_FP8_MAX_ROWS=1)
+        [[ $q == fp8-noskinny ]] && envs+=(PAGEDLLM_SKINNY_FP8_MAX_ROWS=0)
+        env "${envs[@]}" timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
+            --num-prompts 1 --input-len 128 --output-len "${B1_OUT:-512}" "${flags[@]}" \
+            --output-json "$OUT/b1-8b-$q.json" 2>&1 | tail -2
+    done
+    summary "$OUT"/b1-8b-*.json
+}
 trt_step() {  # trt_step TAG [ENV=VALUE...]: a steady 512-sequence trt-8b decode step's wall time alone
-    local tag=$1
+    # (and the device's time inside its replays), with the card's SM clock, power and
+    # temperature sampled every second meanwhile (smi-TAG.csv; the last samples printed)
+    local tag=$1 smi
     shift
+    nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader -l 1 \
+        > "$OUT/smi-${tag:-defaults}.csv" 2>/dev/null &
+    smi=$!
     env "$@" timeout "$(cap 90)" python3 benchmarks/decode_step_profile.py --workload trt-8b-2k \
         --num-prompts 512 --input-len 1024 --profile-steps 0 --json "$OUT/decode-step-trt-8b${tag:+-$tag}.json" 2>&1 | \
-        grep -v "USDT\\|Warning" | tail -2 || true
+        grep -v "USDT\\|Warning" | tail -3 || true
+    kill "$smi" 2>/dev/null
+    echo "  smi (sm clock, power, temperature), last 3 s: $(tail -3 "$OUT/smi-${tag:-defaults}.csv" 2>/dev/null | tr '\n' ';')"
 }
 opt_in_tests() {  # the GPU tests of the opt-in pieces (head-major pages and the heads-first
     # grid, the swap space with pinned pages and the stream's order, the graphs with
@@ -256,16 +278,28 @@ fp8-b1)
         tests/test_fp8.py tests/test_fp8_fused_quant.py -k "not interpreter" 2>&1 | tail -3
     timeout "$(cap 120)" python3 benchmarks/skinny_gemm_bench.py --fp8 --rows ${B1_ROWS:-1 2 4} \
         --json "$OUT/skinny-gemm-fp8.json" 2>&1 | grep -v Warning | tail -12
-    for q in bf16 fp8 fp8-noskinny; do
-        flags=() envs=()
-        [[ $q != bf16 ]] && flags+=(--quantization fp8)
-        [[ $q == fp8 ]] && envs+=(PAGEDLLM_SKINNY_FP8_MAX_ROWS=1)
-        [[ $q == fp8-noskinny ]] && envs+=(PAGEDLLM_SKINNY_FP8_MAX_ROWS=0)
-        env "${envs[@]}" timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-long \
-            --num-prompts 1 --input-len 128 --output-len "${B1_OUT:-512}" "${flags[@]}" \
-            --output-json "$OUT/b1-8b-$q.json" 2>&1 | tail -2
+    b1_runs bf16 fp8 fp8-noskinny
+    ;;
+fp8-fast)
+    # FP8 fast accumulation (on by default since cb78706's product timings) in the engine:
+    # the GPU tests it touches (and the replays' timing); the steady trt step with the
+    # device's time inside its replays (the call's first process); trt-8b-2k with a swap
+    # space promoted (PAGEDLLM_FP8_FAST_ACCUM=0) and fast, in the same call; the step again
+    # in a later process (earlier calls' later processes ran ~40% slower); then one request
+    # with the FP8 few-row kernel on and off (FAST_B1=0 skips them).
+    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_fp8.py \
+        tests/test_gpu.py -k "fast_accum or scaled_mm or generates_on_cuda or one_row or batch_one or graphs_match" \
+        2>&1 | tail -3
+    trt_step ""
+    for fa in 0 1; do
+        (( DEADLINE - SECONDS < ${RUN_NEEDS_S:-100} )) && { echo "skipped trt-8b-2k fa$fa: no time left"; continue; }
+        PAGEDLLM_FP8_FAST_ACCUM=$fa timeout "$(cap 200)" python3 -m pagedllm.entrypoints.bench throughput \
+            --workload trt-8b-2k --num-prompts "${NUM_PROMPTS:-512}" --max-num-seqs 512 --warmup 2 \
+            --swap-space "${SWAP_GIB:-8}" --output-json "$OUT/trt-8b-2k-swap${SWAP_GIB:-8}-fa$fa.json" 2>&1 | tail -2
     done
-    summary "$OUT"/b1-8b-*.json
+    summary "$OUT"/trt-8b-2k*.json
+    trt_step again
+    if [[ ${FAST_B1:-1} != 0 ]]; then b1_runs fp8 fp8-noskinny; fi
     ;;
 attn)
     # Decode attention alone over bf16 and fp8 pages (fp16 / bf16 products), launch settings.

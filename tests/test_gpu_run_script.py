@@ -207,3 +207,19 @@ def test_trt_pick_short_call(tmp_path):
     assert sum("decode_step_profile.py" in c for c in calls) == 4  # profile, hnd, again, q0
     calls = _dry_run(tmp_path / "short", "trt-pick", BUDGET_S="60")
     assert not [c for c in calls if "bench throughput" in c]
+
+
+def test_fp8_fast_runs_both_accumulations_in_one_call(tmp_path):
+    """fp8-fast: the GPU tests, the step (defaults, then again in a later process), trt-8b-2k
+    with a swap space promoted and fast, and one request with the few-row kernel on and off."""
+    calls = _dry_run(tmp_path, "fp8-fast")
+    assert "-m pytest" in calls[0] and "fast_accum" in calls[0]
+    steps = [c for c in calls if "decode_step_profile.py" in c]
+    assert len(steps) == 2 and "decode-step-trt-8b.json" in steps[0] and "decode-step-trt-8b-again.json" in steps[1]
+    runs = [c for c in calls if "--workload trt-8b-2k" in c and "bench throughput" in c]
+    assert len(runs) == 2 and all("--swap-space 8" in r for r in runs), runs
+    assert "fa=0 " in runs[0] and "trt-8b-2k-swap8-fa0.json" in runs[0]
+    assert "fa=1 " in runs[1] and "trt-8b-2k-swap8-fa1.json" in runs[1]
+    b1 = [c for c in calls if "--workload gpu-long" in c]
+    assert len(b1) == 2 and "sk=1 " in b1[0] and "b1-8b-fp8.json" in b1[0] and "sk=0 " in b1[1], b1
+    assert not [c for c in _dry_run(tmp_path / "no-b1", "fp8-fast", FAST_B1="0") if "gpu-long" in c]

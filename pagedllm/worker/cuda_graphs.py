@@ -268,6 +268,9 @@ class DecodeGraphs(_StepGraphs):
                                "such steps replay the ordinary decode graphs", exc_info=True)
         self.long_replays = 0  # steps the long set served (the tests check that some were)
         self.replays = 0  # steps either set served (benchmarks tell replayed steps from eager ones)
+        # a list (set by a benchmark) collects (start, end) CUDA events around each replay:
+        # the device's own time per step, apart from the host's
+        self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         if lora is not None:
             lora.active = False
 
@@ -300,12 +303,19 @@ class DecodeGraphs(_StepGraphs):
         if self.lora is not None:
             self.lora.set(arrays["lora_slots"], size)
         self.replays += 1
-        if self.long_graphs and long_decode(arrays["ctx_len"]):
+        long = bool(self.long_graphs) and long_decode(arrays["ctx_len"])
+        if self.timing is not None:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.timing.append(events)
+            events[0].record()
+        if long:
             self.long_replays += 1
             self.long_graphs[size].replay()
-            return self.long_logits[size][:n]
-        self.graphs[size].replay()
-        return self.logits[size][:n]
+        else:
+            self.graphs[size].replay()
+        if self.timing is not None:
+            self.timing[-1][1].record()
+        return (self.long_logits if long else self.logits)[size][:n]
 
 
 class VerifyGraphs(_StepGraphs):
