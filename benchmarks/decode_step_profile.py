@@ -5,7 +5,8 @@ run, whose short early contexts hide what attention costs late in it).
     python benchmarks/decode_step_profile.py --workload trt-8b-2k --num-prompts 512 --input-len 1024
         [--decode-steps 24] [--profile-steps 6] [--json F]
 
-Every prompt is queued at once; the prefill steps are timed (wall, scheduling to
+Steps run as LLM.generate runs them (engine.step(final_only=True): no per-step output for
+a request that has not finished). Every prompt is queued at once; the prefill steps are timed (wall, scheduling to
 scheduling) and the steps from the third to the fifth are profiled; once every sequence
 decodes, `--decode-steps` steps are timed without the profiler (the step's wall time, CUDA
 graphs as the engine runs them) and `--profile-steps` more under torch.profiler. The
@@ -129,7 +130,7 @@ def main() -> None:
             prefill_prof.__enter__()
             t_prof = time.perf_counter()
             n_prof = len(steps)
-        engine.step()
+        engine.step(final_only=True)
         n += 1
         if prefill_prof is not None and n == 5:
             sync()
@@ -150,7 +151,7 @@ def main() -> None:
         print(f"prefill steps 3-5 under the profiler ({prefill_prof_steps} steps):")
         result["prefill"]["profile"] = summarise(kernel_totals(prefill_prof, cuda), prefill_prof_steps, prefill_wall, args.top)
     for _ in range(4):  # every sequence decoding, graphs warm
-        engine.step()
+        engine.step(final_only=True)
     sync()
     first = len(steps)
     graphs = getattr(getattr(engine.executor, "runner", None), "graphs", None)
@@ -159,7 +160,7 @@ def main() -> None:
         graphs.timing = []  # the device's time inside each replay, apart from the host's
     t0 = time.perf_counter()
     for _ in range(args.decode_steps):
-        engine.step()
+        engine.step(final_only=True)
     sync()
     wall = (time.perf_counter() - t0) * 1e3 / args.decode_steps
     device_ms = None
@@ -182,7 +183,7 @@ def main() -> None:
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(args.profile_steps):
-                engine.step()
+                engine.step(final_only=True)
             sync()
             pwall = (time.perf_counter() - t0) * 1e3 / args.profile_steps
         print(f"decode steps under the profiler ({args.profile_steps}):")
