@@ -12,6 +12,9 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
+# (stdlib only: the quantization package's names, without torch)
+from pagedllm.model_executor.layers.quantization.config import FP8_SPELLINGS, METHODS
+
 # Seed-article spellings -> vLLM spellings.
 ALIASES = {
     "max_context_length": "max_model_len",
@@ -343,11 +346,9 @@ class EngineConfig:
             # Only the spelling is checked here; the checkpoint decides at load (a mismatch
             # between this and what the checkpoint says is an error then).
             self.quantization = self.quantization.lower()
-            if self.quantization not in ("gptq", "awq", "gguf", "fp8", "mxfp4", "modelopt", "fbgemm_fp8",
-                                         "compressed-tensors"):
-                raise ValueError("quantization must be gptq|awq|gguf|fp8|mxfp4 (or modelopt|fbgemm_fp8|"
-                                 "compressed-tensors: fp8 of that format) or None (detect), "
-                                 f"got {self.quantization!r}")
+            if self.quantization not in METHODS + FP8_SPELLINGS:
+                raise ValueError(f"quantization must be {'|'.join(METHODS)} (or {'|'.join(FP8_SPELLINGS)}: "
+                                 f"fp8 of that format) or None (detect), got {self.quantization!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be generate|pooling (task: generate|embed), got "
                              f"{self.runner!r}")
