@@ -12,8 +12,11 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 
-# (stdlib only: the quantization package's names, without torch)
-from pagedllm.model_executor.layers.quantization.config import FP8_SPELLINGS, METHODS
+# EngineConfig.quantization's values (the quantization package checks checkpoints against
+# them): the methods, and vLLM's names of FP8 checkpoint formats, each meaning "fp8" of that
+# format ("gguf" names the GGUF loader).
+QUANTIZATION_METHODS = ("gptq", "awq", "gguf", "fp8", "mxfp4")
+FP8_SPELLINGS = ("modelopt", "fbgemm_fp8", "compressed-tensors")
 
 # Seed-article spellings -> vLLM spellings.
 ALIASES = {
@@ -346,8 +349,8 @@ class EngineConfig:
             # Only the spelling is checked here; the checkpoint decides at load (a mismatch
             # between this and what the checkpoint says is an error then).
             self.quantization = self.quantization.lower()
-            if self.quantization not in METHODS + FP8_SPELLINGS:
-                raise ValueError(f"quantization must be {'|'.join(METHODS)} (or {'|'.join(FP8_SPELLINGS)}: "
+            if self.quantization not in QUANTIZATION_METHODS + FP8_SPELLINGS:
+                raise ValueError(f"quantization must be {'|'.join(QUANTIZATION_METHODS)} (or {'|'.join(FP8_SPELLINGS)}: "
                                  f"fp8 of that format) or None (detect), got {self.quantization!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be generate|pooling (task: generate|embed), got "

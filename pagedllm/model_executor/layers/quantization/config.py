@@ -48,12 +48,13 @@ import os
 import re
 from dataclasses import dataclass
 
+from pagedllm.config import FP8_SPELLINGS, QUANTIZATION_METHODS
+
 # Values accepted for EngineConfig.quantization ("gguf" names the GGUF loader: dequantized at
-# load, or Q4_0/Q8_0 linear layers kept packed on CUDA, see loader/gguf_file.py).
-METHODS = ("gptq", "awq", "gguf", "fp8", "mxfp4")
-# Also accepted for an FP8 checkpoint of that format (the names vLLM's --quantization takes);
-# the method is "fp8" all the same.
-FP8_SPELLINGS = ("modelopt", "fbgemm_fp8", "compressed-tensors")
+# load, or Q4_0/Q8_0 linear layers kept packed on CUDA, see loader/gguf_file.py); FP8_SPELLINGS
+# are also accepted for an FP8 checkpoint of that format (the names vLLM's --quantization
+# takes), the method "fp8" all the same. Both live with EngineConfig, which checks them first.
+METHODS = QUANTIZATION_METHODS
 _SIDE_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
 # checkpoint_format of an FP8 QuantConfig: where its tensors come from ("float": a float
 # checkpoint that quantization="fp8" quantizes at load, per output channel).
