@@ -280,6 +280,31 @@ fp8-b1)
         --json "$OUT/skinny-gemm-fp8.json" 2>&1 | grep -v Warning | tail -12
     b1_runs bf16 fp8 fp8-noskinny
     ;;
+fp8-check)
+    # The FP8 defaults (fast accumulation, the one-row kernel) once more, in one call: the
+    # batch-one GPU test; trt-8b-2k (512 requests, --swap-space 8) under
+    # benchmarks/host_sync_check.py, which reads the device's time inside and between
+    # launches on CUDA events (where the stream runs dry); trt-8b-1k with the same settings;
+    # then gpu-7b in bf16 and with FP8 weights (CHECK_7B=0 skips them).
+    timeout "$(cap 120)" python3 -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_fp8.py \
+        -k "batch_one or one_row or fast_accum" 2>&1 | tail -3
+    timeout "$(cap 170)" python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 \
+        --max-num-seqs 512 --input-len 128 --output-len 2048 --swap-space "${SWAP_GIB:-8}" --only-async 2>&1 | tail -24
+    (( DEADLINE - SECONDS < ${RUN_NEEDS_S:-90} )) && { echo "skipped trt-8b-1k: no time left"; exit 0; }
+    timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload trt-8b-1k \
+        --num-prompts "${NUM_PROMPTS:-512}" --max-num-seqs 512 --warmup 2 --swap-space "${SWAP_GIB:-8}" \
+        --output-json "$OUT/trt-8b-1k-swap${SWAP_GIB:-8}.json" 2>&1 | tail -2
+    if [[ ${CHECK_7B:-1} != 0 ]]; then
+        for q in bf16 fp8; do
+            (( DEADLINE - SECONDS < 60 )) && { echo "skipped gpu-7b $q: no time left"; continue; }
+            flags=()
+            [[ $q != bf16 ]] && flags+=(--quantization fp8)
+            timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
+                "${flags[@]}" --output-json "$OUT/gpu-7b-$q.json" 2>&1 | tail -2
+        done
+    fi
+    summary "$OUT"/*.json
+    ;;
 fp8-fast)
     # FP8 fast accumulation (on by default since cb78706's product timings) in the engine:
     # the GPU tests it touches (and the replays' timing); the steady trt step with the

@@ -27,6 +27,10 @@ from pagedllm.entrypoints.bench_workloads import WORKLOADS, write_arch_config
 
 _RESULT = None
 STEPS: list[tuple[float, int, int]] = []  # (time scheduled, sequences, tokens) per step
+# CUDA events around each launch (start, end, sequences): on the device's own clock, the
+# time between one launch's end and the next one's start is where the stream ran dry
+# (or ran work queued outside a launch: swaps, copies), which the host view cannot tell.
+EVENTS: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
 
 def by_size(steps: list[tuple[float, int, int]]) -> list[tuple[str, int, float, int]]:
@@ -40,6 +44,24 @@ def by_size(steps: list[tuple[float, int, int]]) -> list[tuple[str, int, float, 
         if sel:
             name = f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
             rows.append((name, len(sel), sum(t for t, _ in sel), sum(n for _, n in sel)))
+    return rows
+
+
+def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) -> list[tuple[str, int, float, float]]:
+    """Per group of steps (by sequences): (group, steps, device ms inside launches, device ms
+    from each launch's end to the next one's start). Call after a synchronize."""
+    groups = [(1, 16), (17, 64), (65, 256), (257, 448), (449, 1 << 30)]
+    rows = []
+    for lo, hi in groups:
+        busy = gap = 0.0
+        n = 0
+        for (s0, e0, seqs), (s1, _, _) in zip(events, events[1:], strict=False):
+            if lo <= seqs <= hi:
+                busy += s0.elapsed_time(e0)
+                gap += e0.elapsed_time(s1)
+                n += 1
+        if n:
+            rows.append((f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+", n, busy, gap))
     return rows
 
 
@@ -71,7 +93,18 @@ def instrument(engine) -> dict:
     engine.scheduler.schedule = traced
     engine.scheduler.update = timed("update", engine.scheduler.update)
     runner = engine.executor.runner
-    runner.launch = timed("launch", runner.launch)
+    launch = timed("launch", runner.launch)
+
+    def evented(so, *a, **k):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return launch(so, *a, **k)
+        finally:
+            end.record()
+            EVENTS.append((start, end, len(so.chunks)))
+
+    runner.launch = evented if torch.cuda.is_available() else launch
     runner.execute = timed("execute", runner.execute)
     runner._layout = timed("layout", runner._layout)
     runner._sampling_batch = timed("sampling_batch", runner._sampling_batch)
@@ -92,11 +125,14 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--swap-space", type=float, default=None, help="GiB of pinned host pages for preempted sequences")
     p.add_argument("--only-async", action="store_true", help="skip the sync-site listing and the run without async")
     args = p.parse_args()
     w = WORKLOADS[args.workload]
     path = write_arch_config(w.arch_config)
     engine_kw = w.engine_kwargs(args.max_num_seqs)
+    if args.swap_space is not None:
+        engine_kw["swap_space"] = args.swap_space
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(0, min(30000, w.arch_config["vocab_size"]), (args.input_len,), generator=g).tolist()}
                for _ in range(args.num_prompts)]
@@ -126,18 +162,23 @@ def main() -> None:
         llm.engine.step()  # reads a step left in flight
         timers.clear()
         STEPS.clear()
+        EVENTS.clear()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS)))
-    for asyn, tps, dt, timers, sizes in rows:
+        rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS),
+                     device_gaps(EVENTS)))
+    for asyn, tps, dt, timers, sizes, gaps in rows:
         print(f"async_scheduling={asyn!s:5}  {tps:10.1f} output tok/s  {dt:.3f} s")
         for name, count, secs, tokens in sizes:
             print(f"    steps of {name:>8s} sequences: {count:5d} steps {secs:8.3f} s  {tokens:8d} tokens  "
                   f"{secs / count * 1e3:7.2f} ms/step")
+        for name, count, busy, gap in gaps:
+            print(f"    device, steps of {name:>8s}: {count:5d} steps, in launches {busy / 1e3:8.3f} s "
+                  f"({busy / count:6.2f} ms/step), between launches {gap / 1e3:7.3f} s ({gap / count:5.2f} ms/step)")
         for name, (count, total) in sorted(timers.items()):
             print(f"    {name:18s} {count:6d} calls {total * 1e3:9.1f} ms  {total / max(count, 1) * 1e3:7.3f} ms/call")
 
