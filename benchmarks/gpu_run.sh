@@ -355,6 +355,7 @@ trt)
             --shapes llama3-8b --pages fp8 --settings 128,4,2 128,4,3 128,4,4 256,4,2 256,8,2 256,8,3 \
             128,2,2 64,2,2 128,8,2 --json "$OUT/attn-decode-trt.json" 2>&1 | tail -40
     fi
+    # TRT_ARGS: more bench flags for every run (e.g. "--swap-space 8")
     # TRT_GRAPHS="256 512": each workload per PAGEDLLM_MAX_GRAPH_BATCH (results WORKLOAD-gN.json);
     # TRT_SAMPLER="0 1": each per PAGEDLLM_FUSED_SAMPLER (WORKLOAD-sN.json), after the fused
     # sampler's GPU tests; TRT_FUSED_QUANT="0 1": each per PAGEDLLM_FP8_FUSED_QUANT
@@ -380,9 +381,9 @@ trt)
                     [[ $kl != default ]] && tag="$tag-$kl"
                     env ${TRT_GRAPHS:+PAGEDLLM_MAX_GRAPH_BATCH=$g} ${TRT_SAMPLER:+PAGEDLLM_FUSED_SAMPLER=$f} \
                         ${TRT_FUSED_QUANT:+PAGEDLLM_FP8_FUSED_QUANT=$qf} ${TRT_KV_LAYOUT:+PAGEDLLM_KV_LAYOUT=$kl} \
-                        timeout "$(cap 290)" python3 -m pagedllm.entrypoints.bench \
+                        timeout "$(cap ${TRT_RUN_S:-290})" python3 -m pagedllm.entrypoints.bench \
                         throughput --workload "$w" ${NUM_PROMPTS:+--num-prompts $NUM_PROMPTS} \
-                        --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
+                        --max-num-seqs "${MAX_SEQS:-512}" --warmup 2 ${TRT_ARGS:-} --output-json "$OUT/$w$tag.json" 2>&1 | tail -3
                   done
                 done
             done
