@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of the README's Performance table, in two parts that each fit a
 # 10-minute device call. Writes JSON and logs under $OUT (default: ./gpu-out).
-#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-b1|fp8-fast|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
+#   bash benchmarks/gpu_run.sh tests|pending|followup|moe-b1|skinny|caps|kernels|prefill|profile|eager|attn|lora-profile|throughput|baseline|serve|serve-ratio|quant|tp|fp8|fp8-b1|fp8-check|fp8-fast|fp8-kv|trt|trt-probe|trt-pick|trt-last|long|long-fi|mixed|spec|lora|embed|models
 # throughput: gpu-7b with HF's compiled static cache at batch 256 in the same run, then
 #   both workloads with async scheduling off (what overlap is worth);
 # baseline: gpu-0.6b with its HF baseline (slow: HF needs about three minutes);
@@ -16,6 +16,8 @@
 #   timings per switch, then trt-8b-2k with the defaults and with the fastest (PICK_TESTS=1:
 #   the opt-in pieces' GPU tests first);
 # fp8-b1: FP8 weights at one sequence, the few-row weight-only kernel on and off, bf16 beside;
+# fp8-check: the batch-one FP8 test, trt-8b-2k under host_sync_check (device time inside and between
+#   launches), trt-8b-1k, gpu-7b bf16 / FP8 (not yet run on a device);
 # fp8-fast: FP8 fast accumulation promoted vs fast on trt-8b-2k (same call), the step with its device time
 # fp8-kv: the KV-bound gpu-7b-kv with bf16 and FP8 pages; trt: trt-8b-1k and trt-8b-2k (TRT_PROFILE=1: a profile first;
 #   TRT_GRAPHS="256 512": each per cap on graph-replayed decode sizes; TRT_SAMPLER="0 1": each with
