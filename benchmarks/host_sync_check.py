@@ -47,6 +47,12 @@ def by_size(steps: list[tuple[float, int, int]]) -> list[tuple[str, int, float, 
     return rows
 
 
+def sync() -> None:
+    """Wait for the device (nothing to wait for on the CPU, where the script also runs)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) -> list[tuple[str, int, float, float]]:
     """Per group of steps (by sequences): (group, steps, device ms inside launches, device ms
     from each launch's end to the next one's start). Call after a synchronize."""
@@ -163,10 +169,10 @@ def main() -> None:
         timers.clear()
         STEPS.clear()
         EVENTS.clear()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
-        torch.cuda.synchronize()
+        sync()
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS),
