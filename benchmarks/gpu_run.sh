@@ -84,6 +84,19 @@ b1_runs() {  # b1_runs Q...: one request (128 in, B1_OUT out, default 512) on th
     done
     summary "$OUT"/b1-8b-*.json
 }
+gpu7b_runs() {  # gpu7b_runs LIMIT NEED Q...: gpu-7b per Q (bf16; fp8: FP8 weights; fp8-kv8: and
+    # FP8 pages), each run at most LIMIT s; with NEED > 0 a run is skipped under NEED s left
+    local limit=$1 need=$2 q flags
+    shift 2
+    for q in "$@"; do
+        (( need > 0 && DEADLINE - SECONDS < need )) && { echo "skipped gpu-7b $q: no time left"; continue; }
+        flags=()
+        [[ $q != bf16 ]] && flags+=(--quantization fp8)
+        [[ $q == fp8-kv8 ]] && flags+=(--kv-cache-dtype fp8)
+        timeout "$(cap "$limit")" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
+            "${flags[@]}" --output-json "$OUT/gpu-7b-$q.json" 2>&1 | tail -3
+    done
+}
 trt_step() {  # trt_step TAG [ENV=VALUE...]: a steady 512-sequence trt-8b decode step's wall time alone
     # (and the device's time inside its replays), with the card's SM clock, power and
     # temperature sampled every second meanwhile (smi-TAG.csv; the last samples printed)
@@ -261,13 +274,7 @@ fp8)
         tests/test_triton_attention.py 2>&1 | tail -6
     timeout "$(cap 120)" python3 benchmarks/fp8_gemm_bench.py --rows 1 64 256 2048 \
         --json "$OUT/fp8-gemm.json" 2>&1 | tail -30
-    for q in bf16 fp8 fp8-kv8; do
-        flags=()
-        [[ $q != bf16 ]] && flags+=(--quantization fp8)
-        [[ $q == fp8-kv8 ]] && flags+=(--kv-cache-dtype fp8)
-        timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
-            "${flags[@]}" --output-json "$OUT/gpu-7b-$q.json" 2>&1 | tail -3
-    done
+    gpu7b_runs 150 0 bf16 fp8 fp8-kv8
     summary "$OUT"/gpu-7b-*.json
     ;;
 fp8-b1)
@@ -296,15 +303,7 @@ fp8-check)
     timeout "$(cap 150)" python3 -m pagedllm.entrypoints.bench throughput --workload trt-8b-1k \
         --num-prompts "${NUM_PROMPTS:-512}" --max-num-seqs 512 --warmup 2 --swap-space "${SWAP_GIB:-8}" \
         --output-json "$OUT/trt-8b-1k-swap${SWAP_GIB:-8}.json" 2>&1 | tail -2
-    if [[ ${CHECK_7B:-1} != 0 ]]; then
-        for q in bf16 fp8; do
-            (( DEADLINE - SECONDS < 60 )) && { echo "skipped gpu-7b $q: no time left"; continue; }
-            flags=()
-            [[ $q != bf16 ]] && flags+=(--quantization fp8)
-            timeout "$(cap 120)" python3 -m pagedllm.entrypoints.bench throughput --workload gpu-7b \
-                "${flags[@]}" --output-json "$OUT/gpu-7b-$q.json" 2>&1 | tail -2
-        done
-    fi
+    if [[ ${CHECK_7B:-1} != 0 ]]; then gpu7b_runs 120 60 bf16 fp8; fi
     summary "$OUT"/*.json
     ;;
 fp8-fast)

@@ -33,16 +33,18 @@ STEPS: list[tuple[float, int, int]] = []  # (time scheduled, sequences, tokens) 
 EVENTS: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
 
+# The step groups of both tables, by how many sequences a step ran: (lowest, highest, name)
+GROUPS = [(1, 16, "1-16"), (17, 64, "17-64"), (65, 256, "65-256"), (257, 448, "257-448"), (449, 1 << 30, "449+")]
+
+
 def by_size(steps: list[tuple[float, int, int]]) -> list[tuple[str, int, float, int]]:
     """Steps grouped by how many sequences they ran: (group, steps, seconds from each step's
     scheduling to the next one's, tokens). Under async scheduling a step's interval is
     about the device time of the step before it."""
-    groups = [(1, 16), (17, 64), (65, 256), (257, 448), (449, 1 << 30)]
     rows = []
-    for lo, hi in groups:
+    for lo, hi, name in GROUPS:
         sel = [(b[0] - a[0], a[2]) for a, b in zip(steps, steps[1:], strict=False) if lo <= a[1] <= hi]
         if sel:
-            name = f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+"
             rows.append((name, len(sel), sum(t for t, _ in sel), sum(n for _, n in sel)))
     return rows
 
@@ -56,9 +58,8 @@ def sync() -> None:
 def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) -> list[tuple[str, int, float, float]]:
     """Per group of steps (by sequences): (group, steps, device ms inside launches, device ms
     from each launch's end to the next one's start). Call after a synchronize."""
-    groups = [(1, 16), (17, 64), (65, 256), (257, 448), (449, 1 << 30)]
     rows = []
-    for lo, hi in groups:
+    for lo, hi, name in GROUPS:
         busy = gap = 0.0
         n = 0
         for (s0, e0, seqs), (s1, _, _) in zip(events, events[1:], strict=False):
@@ -67,7 +68,7 @@ def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) ->
                 gap += e0.elapsed_time(s1)
                 n += 1
         if n:
-            rows.append((f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+", n, busy, gap))
+            rows.append((name, n, busy, gap))
     return rows
 
 
