@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# One call for the published row not yet measured on this tree: trt-8b-1k with TensorRT-LLM's
-# 3,000 requests (trt_full.sh), then, with the time left, on an H200 trt-8b-2k's 512-request
-# wave (its first figure on that card), on an H100 that wave under host_sync_check.py (the
-# device's time inside and between launches).
+# One call for what no tree has measured yet. On an H200: trt-8b-2k with TensorRT-LLM's
+# 3,000 requests (trt_full.sh; the card's first figure against the published 26,221), then
+# with the time left trt-8b-1k's 512-request wave. On an H100: first the device's time inside
+# and between launches over trt-8b-2k's 512-request wave (host_sync_check.py), then the same
+# wave with a larger pool (GPU_UTIL, default 0.95: fewer preempted sequences), then, with
+# 300 s or more left, trt-8b-1k with 3,000 requests. Results under $OUT.
 set -u
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 start=$SECONDS
 total=${BUDGET_S:-570}
-TRT_WORKLOADS=trt-8b-1k BUDGET_S=$total bash benchmarks/trt_full.sh
-left=$((total - (SECONDS - start)))
-(( left < 110 )) && { echo "nothing more: ${left} s left"; exit 0; }
+left() { echo $((total - (SECONDS - start))); }
+wave() {  # wave WORKLOAD TAG [bench flags...]: the 512-request wave, results $OUT/WORKLOAD-TAG.json
+    local w=$1 tag=$2
+    shift 2
+    timeout "$(left)" python3 -m pagedllm.entrypoints.bench throughput --workload "$w" --num-prompts 512 \
+        --max-num-seqs 512 --warmup 2 --swap-space 8 "$@" --output-json "$OUT/$w-$tag.json" 2>&1 | tail -3
+}
 if [[ $card == *H200* ]]; then
-    timeout "$left" python3 -m pagedllm.entrypoints.bench throughput --workload trt-8b-2k --num-prompts 512 \
-        --max-num-seqs 512 --warmup 2 --swap-space 8 --output-json "$OUT/trt-8b-2k-n512-swap8.json" 2>&1 | tail -3
+    TRT_WORKLOADS=trt-8b-2k BUDGET_S=$(( $(left) - 120 )) bash benchmarks/trt_full.sh
+    (( $(left) >= 110 )) && wave trt-8b-1k n512-swap8
+    exit 0
+fi
+timeout 170 python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 --max-num-seqs 512 \
+    --input-len 128 --output-len 2048 --swap-space 8 --only-async 2>&1 | tail -24 | tee "$OUT/host-trt-8b-2k.txt"
+(( $(left) >= 110 )) && wave trt-8b-2k "n512-swap8-util${GPU_UTIL:-0.95}" --gpu-memory-utilization "${GPU_UTIL:-0.95}"
+if (( $(left) >= 300 )); then
+    TRT_WORKLOADS=trt-8b-1k BUDGET_S=$(left) bash benchmarks/trt_full.sh
 else
-    timeout "$left" python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 \
-        --max-num-seqs 512 --input-len 128 --output-len 2048 --swap-space 8 --only-async 2>&1 | tail -24
+    echo "trt-8b-1k with 3,000 requests skipped: $(left) s left"
 fi
