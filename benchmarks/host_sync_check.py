@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import time
 import traceback
 import warnings
@@ -55,21 +56,37 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) -> list[tuple[str, int, float, float]]:
+def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) -> list[tuple]:
     """Per group of steps (by sequences): (group, steps, device ms inside launches, device ms
-    from each launch's end to the next one's start). Call after a synchronize."""
+    from each launch's end to the next one's start, the median gap, the longest, and the
+    count and sum of gaps over 5 ms: a few long pauses of the host, or a short one every
+    step). Call after a synchronize."""
     rows = []
     for lo, hi, name in GROUPS:
-        busy = gap = 0.0
-        n = 0
+        busy = 0.0
+        gaps = []
         for (s0, e0, seqs), (s1, _, _) in zip(events, events[1:], strict=False):
             if lo <= seqs <= hi:
                 busy += s0.elapsed_time(e0)
-                gap += e0.elapsed_time(s1)
-                n += 1
-        if n:
-            rows.append((name, n, busy, gap))
+                gaps.append(e0.elapsed_time(s1))
+        if gaps:
+            long = [g for g in gaps if g > 5.0]
+            rows.append((name, len(gaps), busy, sum(gaps), sorted(gaps)[len(gaps) // 2], max(gaps),
+                         len(long), sum(long)))
     return rows
+
+
+GC_PASSES: dict[int, list] = {}  # generation -> [collections, seconds] during a timed run
+_gc_start = [0.0]
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    else:
+        row = GC_PASSES.setdefault(info["generation"], [0, 0.0])
+        row[0] += 1
+        row[1] += time.perf_counter() - _gc_start[0]
 
 
 def instrument(engine) -> dict:
@@ -134,6 +151,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--swap-space", type=float, default=None, help="GiB of pinned host pages for preempted sequences")
     p.add_argument("--only-async", action="store_true", help="skip the sync-site listing and the run without async")
+    p.add_argument("--gc-modes", nargs="+", choices=["frozen", "thawed"], default=["frozen"],
+                   help="the startup heap frozen (the engine's default, pagedllm/heap.py) or thawed "
+                        "(gc.unfreeze()) for each timed run with async scheduling, in this order")
     args = p.parse_args()
     w = WORKLOADS[args.workload]
     path = write_arch_config(w.arch_config)
@@ -164,28 +184,43 @@ def main() -> None:
         for site, n in sites.most_common(20):
             print(f"  {n:6d}  {site}")
     timers = instrument(llm.engine)
-    for asyn in (True,) if args.only_async else (True, False, True):
+    gc.callbacks.append(_gc_timer)
+    runs = [(True, m) for m in args.gc_modes]
+    if not args.only_async:
+        runs += [(False, args.gc_modes[0]), (True, args.gc_modes[0])]
+    for asyn, mode in runs:
+        if mode == "frozen":
+            gc.collect()
+            gc.freeze()
+        else:
+            gc.unfreeze()
+        frozen = gc.get_freeze_count()
         llm.engine.core.async_scheduling = asyn
         llm.engine.step()  # reads a step left in flight
         timers.clear()
         STEPS.clear()
         EVENTS.clear()
+        GC_PASSES.clear()
         sync()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         sync()
         dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        rows.append((asyn, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS),
-                     device_gaps(EVENTS)))
-    for asyn, tps, dt, timers, sizes, gaps in rows:
-        print(f"async_scheduling={asyn!s:5}  {tps:10.1f} output tok/s  {dt:.3f} s")
+        rows.append((asyn, mode, frozen, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS),
+                     device_gaps(EVENTS), {g: tuple(v) for g, v in sorted(GC_PASSES.items())}))
+    for asyn, mode, frozen, tps, dt, timers, sizes, gaps, passes in rows:
+        print(f"async_scheduling={asyn!s:5} heap {mode:6s} {tps:10.1f} output tok/s  {dt:.3f} s  "
+              f"({frozen} objects frozen)")
+        for g, (count, secs) in passes.items():
+            print(f"    garbage collection, generation {g}: {count:5d} passes {secs * 1e3:9.1f} ms")
         for name, count, secs, tokens in sizes:
             print(f"    steps of {name:>8s} sequences: {count:5d} steps {secs:8.3f} s  {tokens:8d} tokens  "
                   f"{secs / count * 1e3:7.2f} ms/step")
-        for name, count, busy, gap in gaps:
+        for name, count, busy, gap, median, longest, n_long, long_ms in gaps:
             print(f"    device, steps of {name:>8s}: {count:5d} steps, in launches {busy / 1e3:8.3f} s "
-                  f"({busy / count:6.2f} ms/step), between launches {gap / 1e3:7.3f} s ({gap / count:5.2f} ms/step)")
+                  f"({busy / count:6.2f} ms/step), between launches {gap / 1e3:7.3f} s ({gap / count:5.2f} ms/step; "
+                  f"median {median:5.2f} ms, longest {longest:6.1f} ms, {n_long} over 5 ms: {long_ms / 1e3:6.3f} s)")
         for name, (count, total) in sorted(timers.items()):
             print(f"    {name:18s} {count:6d} calls {total * 1e3:9.1f} ms  {total / max(count, 1) * 1e3:7.3f} ms/call")
 

@@ -18,6 +18,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 if torch is not None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Engines freeze the heap they start with (pagedllm/heap.py): right for a process that
+# serves for its lifetime, not for this one, which builds hundreds of engines and drops
+# them (frozen objects are never collected). The servers the tests start freeze as in
+# production (tests/server_process.py sets it back for them).
+os.environ.setdefault("PAGEDLLM_GC_FREEZE", "0")
+
 # pagedllm's cache (converted GGUF tokenizers) goes to a directory of this test run, not the
 # user's: set here, at import, so that the servers the tests start inherit it.
 _CACHE_DIR = None

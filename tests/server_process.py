@@ -46,6 +46,7 @@ def launch_server(log_dir: Path, flags: list[str], api_key: str | None = None,
                "--host", "127.0.0.1", "--log-level", "warning", *flags]
     cmd = [*cmd, "--port", str(port)]
     env = dict(os.environ)
+    env["PAGEDLLM_GC_FREEZE"] = "1"  # a server freezes its startup heap (conftest turns it off here)
     if api_key is not None:
         env["PAGEDLLM_API_KEY"] = api_key
     with open(log, "wb") as out:

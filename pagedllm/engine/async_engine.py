@@ -32,6 +32,7 @@ from pagedllm.engine.core_client import InprocClient, MPClient
 from pagedllm.engine.llm_engine import load_frontend
 from pagedllm.engine.messages import AbortRequests, AddRequest, EngineCoreOutputs, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.heap import freeze_startup_heap
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
@@ -92,6 +93,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())
         self.max_model_len = self.config.max_model_len
+        freeze_startup_heap("front end")  # pagedllm/heap.py: why
 
     def _start_core(self, config: EngineConfig) -> tuple[EngineConfig, object]:
         """Start the core's process, then read the model's config here while it loads: the

@@ -41,6 +41,7 @@ from pagedllm.engine.messages import (
     EngineCoreOutputs,
     Shutdown,
 )
+from pagedllm.heap import freeze_startup_heap
 from pagedllm.log_format import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -197,6 +198,7 @@ def core_process_main(config: EngineConfig, in_addr: str, out_addr: str, parent_
         commands.close(linger=0)  # ctx.term() waits for every socket: an open one hangs the exit
         ctx.term()
         sys.exit(1)
+    freeze_startup_heap("engine core")  # pagedllm/heap.py: why
     results.send_multipart([b"ready", encoder.encode(core.info())])
     decoder = msgspec.msgpack.Decoder(CoreCommand)
     poller = zmq.Poller()

@@ -13,6 +13,7 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, eos_token_ids
+from pagedllm.heap import freeze_startup_heap
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
@@ -48,6 +49,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(config.model_name, config.max_loras if config.enable_lora else 0)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         self.metrics.update_pool(self.stats())
+        freeze_startup_heap("offline engine")  # pagedllm/heap.py: why
 
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op in-process); also done at interpreter exit."""
