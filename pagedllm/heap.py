@@ -18,16 +18,19 @@ token run on the CPU spent 34 ms in them instead of 336. An object frozen is nev
 collected, so the heap is frozen once startup's garbage has been collected, and only in
 the processes that run for the engine's lifetime. PAGEDLLM_GC_FREEZE=0 leaves the heap
 alone (the test suite builds hundreds of engines in one process, where frozen cycles
-would only pile up).
+would only pile up). At exit the heap is thawed again, so that the interpreter's last
+collection frees what it froze (native extensions report objects left alive then as leaks).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 
 logger = logging.getLogger(__name__)
+_thaw_at_exit = False  # gc.unfreeze registered with atexit
 
 
 def freezing() -> bool:
@@ -43,6 +46,10 @@ def freeze_startup_heap(where: str) -> int:
         return 0
     gc.collect()
     gc.freeze()
+    global _thaw_at_exit
+    if not _thaw_at_exit:
+        atexit.register(gc.unfreeze)
+        _thaw_at_exit = True
     count = gc.get_freeze_count()
     logger.debug("%s: %d objects frozen out of the garbage collector's full passes", where, count)
     return count
