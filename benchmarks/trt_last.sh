@@ -3,9 +3,10 @@
 # 3,000 requests (trt_full.sh; the card's first figure against the published 26,221), then
 # trt-8b-1k with 3,000 requests if 250 s are left, else its 512-request wave. On an H100:
 # first the device's time inside and between launches over trt-8b-2k's 512-request wave
-# (host_sync_check.py), then the same wave with a larger pool (GPU_UTIL, default 0.95: fewer
-# preempted sequences), then, with 300 s or more left, trt-8b-1k with 3,000 requests.
-# Results under $OUT.
+# (host_sync_check.py) with the startup heap thawed, then frozen (the default since
+# pagedllm/heap.py: does the idle time between steps go?), then the same wave through the
+# bench (its figure with the frozen heap), then, with 300 s or more left, trt-8b-2k with
+# 3,000 requests. Results under $OUT.
 set -u
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 start=$SECONDS
@@ -26,11 +27,12 @@ if [[ $card == *H200* ]]; then
     fi
     exit 0
 fi
-timeout 170 python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 --max-num-seqs 512 \
-    --input-len 128 --output-len 2048 --swap-space 8 --only-async 2>&1 | tail -24 | tee "$OUT/host-trt-8b-2k.txt"
-(( $(left) >= 110 )) && wave trt-8b-2k "n512-swap8-util${GPU_UTIL:-0.95}" --gpu-memory-utilization "${GPU_UTIL:-0.95}"
+timeout 220 python3 benchmarks/host_sync_check.py --workload trt-8b-2k --num-prompts 512 --max-num-seqs 512 \
+    --input-len 128 --output-len 2048 --swap-space 8 --only-async --gc-modes thawed frozen 2>&1 \
+    | grep -v "Warning" | tail -44 | tee "$OUT/host-gc-trt-8b-2k.txt"
+(( $(left) >= 110 )) && wave trt-8b-2k n512-swap8
 if (( $(left) >= 300 )); then
-    TRT_WORKLOADS=trt-8b-1k BUDGET_S=$(left) bash benchmarks/trt_full.sh
+    TRT_WORKLOADS=trt-8b-2k BUDGET_S=$(left) bash benchmarks/trt_full.sh
 else
-    echo "trt-8b-1k with 3,000 requests skipped: $(left) s left"
+    echo "trt-8b-2k with 3,000 requests skipped: $(left) s left"
 fi

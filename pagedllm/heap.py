@@ -9,17 +9,19 @@ triggers a full collection every hundred steps or so, and each one stops the hos
 about 0.2 s. Under async scheduling the host queues step N+1 while the device runs step N
 and has some 13 ms of slack at 512 sequences; a pause past that leaves the device idle.
 On an H100, trt-8b-2k's 512-request wave spent 4.0 s of its 56.6 s with the device idle
-between steps (benchmarks/results/2026-12-07-gpu-h100-host-gaps-trt-8b-2k-*.json); on
-this project's CPU the same wave's 21 full collections took 3.9 s.
+between steps (benchmarks/results/2026-12-08-gpu-h100-host-gaps-trt-8b-2k-*.json), about
+what the same wave's 21 full collections take on this project's CPU (4.2 s).
 
 `gc.freeze()` moves every object alive at that point out of the collector's sight. Full
-collections still come as before but walk only what the run itself made: a 256 x 1,024
-token run on the CPU spent 34 ms in them instead of 336. An object frozen is never
-collected, so the heap is frozen once startup's garbage has been collected, and only in
-the processes that run for the engine's lifetime. PAGEDLLM_GC_FREEZE=0 leaves the heap
-alone (the test suite builds hundreds of engines in one process, where frozen cycles
-would only pile up). At exit the heap is thawed again, so that the interpreter's last
-collection frees what it froze (native extensions report objects left alive then as leaks).
+collections still come, more often, but walk only what the run itself made (mostly the
+sequences' token lists, item by item): on the CPU the wave's shape spent 1.1 s in 44 of
+them instead of 4.2 s in 21 (benchmarks/results/2026-12-08-cpu-gc-pauses-*.json). An
+object frozen is never collected, so the heap is frozen once startup's garbage has been
+collected, and only in the processes that run for the engine's lifetime.
+PAGEDLLM_GC_FREEZE=0 leaves the heap alone (the test suite builds hundreds of engines in
+one process, where frozen cycles would only pile up). At exit the heap is thawed again, so
+that the interpreter's last collection frees what it froze (native extensions report
+objects left alive then as leaks).
 """
 
 from __future__ import annotations
