@@ -19,9 +19,11 @@ them instead of 4.2 s in 21 (benchmarks/results/2026-12-08-cpu-gc-pauses-*.json)
 object frozen is never collected, so the heap is frozen once startup's garbage has been
 collected, and only in the processes that run for the engine's lifetime.
 PAGEDLLM_GC_FREEZE=0 leaves the heap alone (the test suite builds hundreds of engines in
-one process, where frozen cycles would only pile up). At exit the heap is thawed again, so
-that the interpreter's last collection frees what it froze (native extensions report
-objects left alive then as leaks).
+one process, where frozen cycles would only pile up). An engine's shutdown thaws the heap
+(`thaw_heap`), and so does the start of another engine in the same process, so that a
+dropped engine's memory is freed as before; and so does the interpreter's exit, whose last
+collection must free what was frozen (native extensions report objects left alive then as
+leaks).
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ _thaw_at_exit = False  # gc.unfreeze registered with atexit
 def freezing() -> bool:
     """Whether engine processes freeze their startup heap (PAGEDLLM_GC_FREEZE, on unless 0)."""
     return os.environ.get("PAGEDLLM_GC_FREEZE", "1").strip() not in ("0", "false", "no", "off")
+
+
+def thaw_heap() -> None:
+    """Give frozen objects back to the collector and collect: when an engine shuts down,
+    and before one starts in a process where an earlier engine froze the heap. A dropped
+    engine's objects that sit in reference cycles are garbage only a collection frees, and
+    frozen they never would be: its KV pool would hold the device's memory that the next
+    engine (or a benchmark's baseline, after `del`) sizes its own by."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
 
 
 def freeze_startup_heap(where: str) -> int:

@@ -83,3 +83,32 @@ def test_a_front_end_freezes_its_heap(monkeypatch, thawed, tiny_path):
         assert id(e.output_processor) not in {id(o) for o in gc.get_objects()}
     finally:
         e.shutdown()
+
+
+def test_shutdown_thaws_the_heap_so_the_engine_can_be_collected(monkeypatch, thawed, tiny_path):
+    monkeypatch.setenv("PAGEDLLM_GC_FREEZE", "1")
+    llm = LLM(tiny_path, num_kv_blocks=64, max_model_len=128, skip_tokenizer_init=True)
+    llm.engine.cycle = llm.engine  # garbage only a collection frees once dropped
+    gone = weakref.ref(llm.engine)
+    assert gc.get_freeze_count() > 0
+    llm.engine.shutdown()
+    assert gc.get_freeze_count() == 0
+    del llm
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_dropped_engine_is_collected_before_the_next_one_starts(monkeypatch, thawed, tiny_path):
+    """Dropped without a shutdown (a notebook rebinding `llm`): its frozen cycles would
+    hold its KV pool for good; the next engine thaws and collects before it starts."""
+    monkeypatch.setenv("PAGEDLLM_GC_FREEZE", "1")
+    first = LLM(tiny_path, num_kv_blocks=64, max_model_len=128, skip_tokenizer_init=True)
+    first.engine.cycle = first.engine
+    gone = weakref.ref(first.engine)
+    del first
+    gc.collect()
+    assert gone() is not None  # frozen: no collection reaches it
+    second = LLM(tiny_path, num_kv_blocks=64, max_model_len=128, skip_tokenizer_init=True)
+    assert gone() is None
+    assert gc.get_freeze_count() > 0
+    second.engine.shutdown()

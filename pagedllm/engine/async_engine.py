@@ -32,7 +32,7 @@ from pagedllm.engine.core_client import InprocClient, MPClient
 from pagedllm.engine.llm_engine import load_frontend
 from pagedllm.engine.messages import AbortRequests, AddRequest, EngineCoreOutputs, SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.heap import freeze_startup_heap
+from pagedllm.heap import freeze_startup_heap, thaw_heap
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
@@ -69,6 +69,7 @@ def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, in_process: bool = False, max_step_failures: int = 3):
+        thaw_heap()  # an earlier engine's frozen garbage goes before this one sizes its pool
         self.max_step_failures = max_step_failures
         self._lock = threading.Lock()  # the output processor and the streams
         self._streams: dict[str, _Stream] = {}
@@ -248,6 +249,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self.stop()
         self.client.shutdown()
+        thaw_heap()  # what the engine held can be collected (pagedllm/heap.py)
 
     # ------------------------------------------------------------------ the core's side
     def _deliver(self, request_id: str, item) -> None:

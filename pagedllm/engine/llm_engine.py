@@ -13,7 +13,7 @@ from pagedllm.engine.core import EngineCore, StepError
 from pagedllm.engine.messages import SchedulerStats
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, eos_token_ids
-from pagedllm.heap import freeze_startup_heap
+from pagedllm.heap import freeze_startup_heap, thaw_heap
 from pagedllm.lora_request import LoRARequest
 from pagedllm.metrics import EngineMetrics
 from pagedllm.model_source import resolve_source
@@ -37,6 +37,7 @@ def load_frontend(config: EngineConfig, core_info, hf_config) -> tuple:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        thaw_heap()  # an earlier engine's frozen garbage goes before this one sizes its pool
         self.core = EngineCore(config)
         self.config = config = self.core.config  # resolved
         try:
@@ -52,8 +53,10 @@ class LLMEngine:
         freeze_startup_heap("offline engine")  # pagedllm/heap.py: why
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (a no-op in-process); also done at interpreter exit."""
+        """Stop the executor's workers (a no-op in-process); also done at interpreter exit.
+        The heap frozen at startup is thawed: what the engine held can be collected."""
         self.core.shutdown()
+        thaw_heap()
 
     # ------------------------------------------------------------------ the core's parts
     @property
