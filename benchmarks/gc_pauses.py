@@ -23,18 +23,42 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "rms_norm_eps": 1e-5, "torch_dtype": "float32"}
 
 
-def timed_run(llm: LLM, prompts: list, params: SamplingParams) -> dict:
-    passes: dict[int, list] = {}
-    started = [0.0]
+class GCPasses:
+    """Python's garbage-collection passes while the `with` block runs: `passes` maps a
+    generation to [passes, seconds] (host_sync_check.py counts them the same way)."""
 
-    def on_gc(phase: str, info: dict) -> None:
+    def __init__(self) -> None:
+        self.passes: dict[int, list] = {}
+        self._started = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            self._started = time.perf_counter()
         else:
-            row = passes.setdefault(info["generation"], [0, 0.0])
+            row = self.passes.setdefault(info["generation"], [0, 0.0])
             row[0] += 1
-            row[1] += time.perf_counter() - started[0]
+            row[1] += time.perf_counter() - self._started
 
+    def __enter__(self) -> GCPasses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
+def set_heap(mode: str) -> int:
+    """The startup heap "frozen" (after a collection, as pagedllm/heap.py does) or "thawed"
+    (gc.unfreeze()) for the next timed run; returns the objects now frozen."""
+    if mode == "frozen":
+        gc.collect()
+        gc.freeze()
+    else:
+        gc.unfreeze()
+    return gc.get_freeze_count()
+
+
+def timed_run(llm: LLM, prompts: list, params: SamplingParams) -> dict:
     steps: list[float] = []
     engine = llm.engine
     step = engine.step
@@ -44,19 +68,18 @@ def timed_run(llm: LLM, prompts: list, params: SamplingParams) -> dict:
         return step(*a, **k)
 
     engine.step = traced
-    gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     try:
-        llm.generate(prompts, params)
+        with GCPasses() as gcp:
+            llm.generate(prompts, params)
     finally:
-        gc.callbacks.remove(on_gc)
         engine.step = step
     elapsed = time.perf_counter() - t0
     gaps = sorted((b - a for a, b in zip(steps, steps[1:], strict=False)), reverse=True)
     return {"elapsed_s": round(elapsed, 3), "steps": len(steps),
             "median_step_ms": round(gaps[len(gaps) // 2] * 1e3, 2) if gaps else None,
             "longest_steps_ms": [round(g * 1e3, 1) for g in gaps[:5]],
-            "gc": {f"gen{g}": {"passes": c, "ms": round(s * 1e3, 1)} for g, (c, s) in sorted(passes.items())}}
+            "gc": {f"gen{g}": {"passes": c, "ms": round(s * 1e3, 1)} for g, (c, s) in sorted(gcp.passes.items())}}
 
 
 def main() -> None:
@@ -76,13 +99,9 @@ def main() -> None:
     llm.generate(prompts[:4], params)
     results = {}
     for mode in args.modes:
-        if mode == "frozen":
-            gc.collect()
-            gc.freeze()
-        else:
-            gc.unfreeze()
+        frozen = set_heap(mode)
         r = timed_run(llm, prompts, params)
-        r["objects_frozen"] = gc.get_freeze_count()
+        r["objects_frozen"] = frozen
         results[mode] = r
         print(f"heap {mode:6s}: {r['elapsed_s']:8.2f} s, {r['steps']} steps, median {r['median_step_ms']} ms, "
               f"longest {r['longest_steps_ms']} ms, {r['objects_frozen']} objects frozen")

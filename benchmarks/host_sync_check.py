@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
+import os
+import sys
 import time
 import traceback
 import warnings
@@ -25,6 +26,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.bench_workloads import WORKLOADS, write_arch_config
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gc_pauses import GCPasses, set_heap  # noqa: E402
 
 _RESULT = None
 STEPS: list[tuple[float, int, int]] = []  # (time scheduled, sequences, tokens) per step
@@ -74,19 +78,6 @@ def device_gaps(events: list[tuple[torch.cuda.Event, torch.cuda.Event, int]]) ->
             rows.append((name, len(gaps), busy, sum(gaps), sorted(gaps)[len(gaps) // 2], max(gaps),
                          len(long), sum(long)))
     return rows
-
-
-GC_PASSES: dict[int, list] = {}  # generation -> [collections, seconds] during a timed run
-_gc_start = [0.0]
-
-
-def _gc_timer(phase: str, info: dict) -> None:
-    if phase == "start":
-        _gc_start[0] = time.perf_counter()
-    else:
-        row = GC_PASSES.setdefault(info["generation"], [0, 0.0])
-        row[0] += 1
-        row[1] += time.perf_counter() - _gc_start[0]
 
 
 def instrument(engine) -> dict:
@@ -184,31 +175,25 @@ def main() -> None:
         for site, n in sites.most_common(20):
             print(f"  {n:6d}  {site}")
     timers = instrument(llm.engine)
-    gc.callbacks.append(_gc_timer)
     runs = [(True, m) for m in args.gc_modes]
     if not args.only_async:
         runs += [(False, args.gc_modes[0]), (True, args.gc_modes[0])]
     for asyn, mode in runs:
-        if mode == "frozen":
-            gc.collect()
-            gc.freeze()
-        else:
-            gc.unfreeze()
-        frozen = gc.get_freeze_count()
+        frozen = set_heap(mode)
         llm.engine.core.async_scheduling = asyn
         llm.engine.step()  # reads a step left in flight
         timers.clear()
         STEPS.clear()
         EVENTS.clear()
-        GC_PASSES.clear()
-        sync()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        sync()
-        dt = time.perf_counter() - t0
+        with GCPasses() as gcp:
+            sync()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            sync()
+            dt = time.perf_counter() - t0
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append((asyn, mode, frozen, n / dt, dt, {k: tuple(v) for k, v in timers.items()}, by_size(STEPS),
-                     device_gaps(EVENTS), {g: tuple(v) for g, v in sorted(GC_PASSES.items())}))
+                     device_gaps(EVENTS), {g: tuple(v) for g, v in sorted(gcp.passes.items())}))
     for asyn, mode, frozen, tps, dt, timers, sizes, gaps, passes in rows:
         print(f"async_scheduling={asyn!s:5} heap {mode:6s} {tps:10.1f} output tok/s  {dt:.3f} s  "
               f"({frozen} objects frozen)")
