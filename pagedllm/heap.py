@@ -31,7 +31,8 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
+
+from pagedllm.config import env_flag
 
 logger = logging.getLogger(__name__)
 _thaw_at_exit = False  # gc.unfreeze registered with atexit
@@ -39,7 +40,7 @@ _thaw_at_exit = False  # gc.unfreeze registered with atexit
 
 def freezing() -> bool:
     """Whether engine processes freeze their startup heap (PAGEDLLM_GC_FREEZE, on unless 0)."""
-    return os.environ.get("PAGEDLLM_GC_FREEZE", "1").strip() not in ("0", "false", "no", "off")
+    return env_flag("PAGEDLLM_GC_FREEZE", default=True)
 
 
 def thaw_heap() -> None:
