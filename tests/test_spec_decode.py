@@ -274,7 +274,7 @@ def test_rejected_drafts_are_rolled_back_and_never_hashed():
     assert len(kv.block_table("a")) == 3  # slots up to position 7 + 4 drafts
     sched.update(out, {"a": [8]})  # the first draft rejected: the target says 8
     req = sched.requests["a"]
-    assert req.output_token_ids == [3, 8] and req.num_computed_tokens == 8
+    assert req.output_token_ids.tolist() == [3, 8] and req.num_computed_tokens == 8
     assert len(kv.block_table("a")) == 2 and sched.spec_num_accepted_tokens == 0
     real = prompt + [3, 8]
     chain, parent = set(), b"pagedllm-root"

@@ -20,7 +20,7 @@ where every rejected draft costs as much as a real token.
 
 from __future__ import annotations
 
-from array import array
+from pagedllm.core.token_array import as_token_array
 
 EWMA_WEIGHT = 0.3  # weight of the newest step in a request's acceptance rate
 PROBE_EVERY = 8  # steps a request with a low acceptance rate waits before trying again
@@ -34,7 +34,7 @@ def find_ngram_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[
         return []
     # Only the last max_n tokens are needed as a pattern; the haystack excludes the final
     # token so that a match always has at least one following token.
-    packed = array("i", tokens).tobytes()
+    packed = as_token_array(tokens).tobytes()  # a request's own ids are such an array already
     hay_end = (total - 1) * 4
     for n in range(min(max_n, total - 1), min_n - 1, -1):
         pat = packed[(total - n) * 4 :]

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.core.token_array import as_token_array, token_array
 
 
 class RequestStatus(enum.Enum):
@@ -33,7 +36,9 @@ class Request:
     """One sequence to generate. `n > 1` is fanned out into n Requests upstream."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    # Both id sequences are arrays (pagedllm/core/token_array.py: the garbage collector's full
+    # passes never walk them); lists given here are converted.
+    prompt_token_ids: array
     max_tokens: int
     # Token-level stopping; stop *strings* are checked by the output processor.
     eos_token_ids: frozenset[int] = frozenset()
@@ -58,7 +63,7 @@ class Request:
     lora_int_id: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
 
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: array = field(default_factory=token_array)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # advanced when a step is scheduled, not when it returns
     # Tokens sampled by steps still in flight (async scheduling): their ids are not known
@@ -77,6 +82,10 @@ class Request:
     allow_spec: bool = True
     last_token_time: float | None = None
 
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = as_token_array(self.prompt_token_ids)
+        self.output_token_ids = as_token_array(self.output_token_ids)
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -93,7 +102,7 @@ class Request:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
-    def tokens(self, start: int, end: int) -> list[int]:
+    def tokens(self, start: int, end: int) -> array:
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

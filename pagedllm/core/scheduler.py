@@ -29,6 +29,7 @@ only the block ids appended since the request's previous chunk. Workers keep the
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 from pagedllm.core.block_manager import KVCacheManager
 from pagedllm.core.ngram_proposer import NgramProposer
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.token_array import token_array
 
 
 @dataclass
@@ -44,8 +46,8 @@ class NewRequestData:
     preemption: a seeded generator and the prompt logprobs already reported carry on)."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: array  # the core's own (never changed); arrays pickle compactly
+    output_token_ids: array
     sampling_params: Any
     lora_request: Any = None  # the worker loads its adapter into a slot
 
@@ -379,7 +381,7 @@ class Scheduler:
                     NewRequestData(
                         req.request_id,
                         req.prompt_token_ids,
-                        list(req.output_token_ids),
+                        token_array(req.output_token_ids),  # a copy: the core appends to its own
                         req.sampling_params,
                         req.lora_request,
                     )

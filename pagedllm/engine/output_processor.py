@@ -11,10 +11,12 @@ stop string it was asked to cut.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedllm.core.token_array import token_array
 from pagedllm.engine.messages import EngineCoreOutput, PositionEntry, SchedulerStats
 from pagedllm.engine.processor import child_id
 from pagedllm.metrics import EngineMetrics
@@ -36,7 +38,7 @@ class _Seq:
     index: int
     params: SamplingParams
     detok: IncrementalDetokenizer | None
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: array = field(default_factory=token_array)  # pagedllm/core/token_array.py
     text: str = ""
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
@@ -256,7 +258,7 @@ class OutputProcessor:
             if seq.finish_reason is None and seq.holdback:
                 text = text[: max(0, len(text) - seq.holdback)]
             outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.token_ids),
+                index=seq.index, text=text, token_ids=seq.token_ids.tolist(),
                 cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,

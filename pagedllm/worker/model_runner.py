@@ -13,6 +13,7 @@ takes it from the device tensor step N sampled into (`_prev_tokens`).
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,7 @@ from pagedllm.attention import AttentionMetadata, get_attention_backend
 from pagedllm.attention.metadata import LONG_DECODE_KEYS
 from pagedllm.config import EngineConfig, env_flag
 from pagedllm.core.scheduler import NewRequestData, ScheduledChunk, SchedulerOutput
+from pagedllm.core.token_array import token_array
 from pagedllm.distributed import broadcast_from_first
 from pagedllm.memory import cpu_num_blocks, gpu_num_blocks
 from pagedllm.model_executor.layers import pooler
@@ -51,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _ReqState:
-    token_ids: list[int]
+    token_ids: array  # prompt then output (pagedllm/core/token_array.py: never walked by the collector)
     num_prompt: int
     params: SamplingParams | PoolingParams
     generator: torch.Generator | None
@@ -419,8 +421,10 @@ class ModelRunner:
             if isinstance(p, SamplingParams) and p.seed is not None and not p.greedy:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(p.seed)
+            ids = token_array(new.prompt_token_ids)
+            ids.extend(new.output_token_ids)
             self.states[new.request_id] = _ReqState(
-                list(new.prompt_token_ids) + list(new.output_token_ids),
+                ids,
                 len(new.prompt_token_ids), p, gen, new.lora_request,
             )
             if self.lora is not None and new.lora_request is not None:
@@ -736,7 +740,7 @@ class ModelRunner:
         hi = min(c.start + c.num_tokens, st.num_prompt - 1)
         if hi > lo:
             plp_rows[c.request_id] = (list(range(row + lo - c.start, row + hi - c.start)),
-                                      st.token_ids[lo + 1 : hi + 1])
+                                      st.token_ids[lo + 1 : hi + 1].tolist())
             st.prompt_lp_next = hi + 1
 
     def _to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
