@@ -37,7 +37,7 @@ class Request:
 
     request_id: str
     # Both id sequences are arrays (pagedllm/core/token_array.py: the garbage collector's full
-    # passes never walk them); lists given here are converted.
+    # passes never visit their items); lists given here are converted.
     prompt_token_ids: array
     max_tokens: int
     # Token-level stopping; stop *strings* are checked by the output processor.

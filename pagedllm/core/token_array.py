@@ -5,8 +5,8 @@ keeps its ids in several places (the core's prompt and output, the worker's hist
 front end's output ids), so at 512 sequences of 2,048 tokens a full collection walks some
 three million list items: about 30 ms on this project's CPU, and such passes come every
 fifty steps or so even with the startup heap frozen (pagedllm/heap.py). An `array` holds
-the ids as raw 32-bit values that the collector never visits (it is not even a container
-to it), and takes 4 bytes a token instead of a pointer to a 28-byte int object.
+the ids as raw 32-bit values: a pass visits the array (its type) but none of its items, and
+it takes 4 bytes a token instead of a pointer to a 28-byte int object.
 
 An array appends, extends, indexes and slices like a list (a slice is another array), and
 `torch.tensor`, `list.extend` and the tokenizers take it. Two differences matter: an array

@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _ReqState:
-    token_ids: array  # prompt then output (pagedllm/core/token_array.py: never walked by the collector)
+    token_ids: array  # prompt then output (pagedllm/core/token_array.py: the collector never visits its items)
     num_prompt: int
     params: SamplingParams | PoolingParams
     generator: torch.Generator | None
