@@ -17,7 +17,8 @@ collections still come, more often, but walk only what the run itself made: on t
 wave's shape spent 1.1 s in 44 of them instead of 4.2 s in 21
 (benchmarks/results/2026-12-08-cpu-gc-pauses-*.json), most of it in the sequences' token
 lists, item by item; the engine now keeps those ids in arrays whose items the collector
-never visits (pagedllm/core/token_array.py), and a pass costs about 3 ms. An
+never visits (pagedllm/core/token_array.py), and a pass costs about 5 ms
+(benchmarks/results/2026-12-08-cpu-gc-token-arrays-*.json). An
 object frozen is never collected, so the heap is frozen once startup's garbage has been
 collected, and only in the processes that run for the engine's lifetime.
 PAGEDLLM_GC_FREEZE=0 leaves the heap alone (the test suite builds hundreds of engines in
