@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One call for what no tree has measured yet. On an H200: trt-8b-2k with TensorRT-LLM's
 # 3,000 requests (trt_full.sh; the card's first figure against the published 26,221), then
-# trt-8b-1k with 3,000 requests if 250 s are left, else its 512-request wave. On an H100:
+# trt-8b-1k with 3,000 requests if 250 s are left, else its 512-request wave; both at up to
+# 768 running sequences (H200_SEQS), since the H200's pool holds about 800 of either shape
+# where the H100's holds 466-507: schedule_replay.py with the H100's step costs and the
+# attention term scaled to the H200's bandwidth prices 3,000 x (128 in, 2,048 out) at 24,491
+# output tok/s capped at 768 against 22,308 at 512 and 23,144 at 1,024 (which preempts),
+# and 3,000 x (1,000, 1,000) at 15,397 against 14,519 (a model that priced the H100's
+# measured trt-8b-1k 7% low). On an H100:
 # first the device's time inside and between launches over trt-8b-2k's 512-request wave
 # (host_sync_check.py) with the startup heap thawed, then frozen (the default since
 # pagedllm/heap.py: does the idle time between steps go?), then the same wave through the
@@ -19,9 +25,10 @@ wave() {  # wave WORKLOAD TAG [bench flags...]: the 512-request wave, results $O
         --max-num-seqs 512 --warmup 2 --swap-space 8 "$@" --output-json "$OUT/$w-$tag.json" 2>&1 | tail -3
 }
 if [[ $card == *H200* ]]; then
-    TRT_WORKLOADS=trt-8b-2k BUDGET_S=$(( $(left) - 120 )) bash benchmarks/trt_full.sh
+    seqs=${H200_SEQS:-768}
+    TRT_FULL_SEQS=$seqs TRT_WORKLOADS=trt-8b-2k BUDGET_S=$(( $(left) - 120 )) bash benchmarks/trt_full.sh
     if (( $(left) >= 250 )); then
-        TRT_WORKLOADS=trt-8b-1k BUDGET_S=$(left) bash benchmarks/trt_full.sh
+        TRT_FULL_SEQS=$seqs TRT_WORKLOADS=trt-8b-1k BUDGET_S=$(left) bash benchmarks/trt_full.sh
     elif (( $(left) >= 110 )); then
         wave trt-8b-1k n512-swap8
     fi
