@@ -34,17 +34,19 @@ def find_ngram_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[
         return []
     # Only the last max_n tokens are needed as a pattern; the haystack excludes the final
     # token so that a match always has at least one following token.
-    packed = as_token_array(tokens).tobytes()  # a request's own ids are such an array already
-    hay_end = (total - 1) * 4
+    ids = as_token_array(tokens)  # a request's own ids are such an array already
+    width = ids.itemsize  # bytes an id (token_array.TYPECODE's)
+    packed = ids.tobytes()
+    hay_end = (total - 1) * width
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        pat = packed[(total - n) * 4 :]
+        pat = packed[(total - n) * width :]
         end = hay_end
         while True:
             at = packed.rfind(pat, 0, end)
             if at < 0:
                 break
-            if at % 4 == 0:  # token aligned, not a match straddling two ids
-                start = at // 4 + n
+            if at % width == 0:  # token aligned, not a match straddling two ids
+                start = at // width + n
                 return list(tokens[start : start + k])
             end = at + len(pat) - 1  # look again, ending before this unaligned hit
     return []

@@ -31,4 +31,4 @@ def as_token_array(ids: Iterable[int]) -> array:
     """The ids as an array: `ids` itself when it is one of the right type, else a copy."""
     if isinstance(ids, array) and ids.typecode == TYPECODE:
         return ids
-    return array(TYPECODE, ids)
+    return token_array(ids)
